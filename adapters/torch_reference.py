@@ -1,0 +1,27 @@
+"""Built-in adapter: defines graft's op catalogue and serves every op with its torch reference.
+
+The reference is the semantics every other backend must match, and the fallback
+when nothing faster can serve a request.
+"""
+from graft.hookspecs import hookimpl
+from graft.registry import reference_impl
+
+
+@hookimpl
+def graft_adapter_info():
+    return {"description": "op catalogue and torch reference implementations (always available)"}
+
+
+@hookimpl
+def graft_register_ops(registry):
+    from graft.ops import all_op_specs
+
+    registry.add_ops(all_op_specs())
+
+
+@hookimpl(trylast=True)
+def graft_register_kernels(registry):
+    # trylast: ops defined by any adapter get a reference impl too.
+    for spec in list(registry.ops.values()):
+        if not any(i.backend == "torch" for i in registry.impls[spec.name]):
+            registry.add_impl(reference_impl(spec, provider=""))

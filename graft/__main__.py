@@ -1,0 +1,5 @@
+import sys
+
+from graft.cli import main
+
+sys.exit(main())

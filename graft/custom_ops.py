@@ -1,0 +1,38 @@
+"""Expose optimized implementations as ``torch.library`` custom ops.
+
+Each optimized kernel is registered once per process, at import of its module, as
+``torch.ops.graft.<name>`` with a fake (meta) implementation, so it can be traced by
+``torch.compile`` and checked with ``torch.library.opcheck``::
+
+    attention_prefill_triton = define_op(
+        "attention_prefill_triton", _prefill_impl, fake=_prefill_fake)
+
+The real implementation and the fake must take the same annotated arguments (torch
+infers the schema from the annotations).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+NAMESPACE = "graft"
+
+
+def custom_op_name(op: str, backend: str) -> str:
+    """``("attention.prefill", "triton")`` -> ``"attention_prefill_triton"``."""
+    return f"{op}.{backend}".replace(".", "_").replace("-", "_")
+
+
+def define_op(
+    name: str,
+    fn: Callable,
+    fake: Callable,
+    mutates_args: Iterable[str] = (),
+    device_types: str | Iterable[str] | None = None,
+):
+    """Register ``fn`` as ``torch.ops.graft.<name>`` with fake impl ``fake``; returns the op."""
+    qualname = f"{NAMESPACE}::{name}"
+    op = torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args), device_types=device_types)
+    op.register_fake(fake)
+    return op

@@ -1,0 +1,107 @@
+"""``graft info``: plugins, ops, implementations, and what would be selected on this machine and why."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from graft import __version__, config
+from graft.errors import GraftConfigError
+from graft.platform import default_device, device_info, triton_interpret
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--device", default=None, help="device to decide for (default: this machine's accelerator, else cpu)")
+    parser.add_argument("--dtype", default=None, help="dtype to decide for (default: each op's first supported dtype)")
+    parser.add_argument("--op", action="append", default=None, help="only these ops (repeatable)")
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise GraftConfigError(f"--dtype {name!r} is not a torch dtype (e.g. float16, bfloat16, float32)")
+    return value
+
+
+def collect(device=None, dtype=None, ops=None) -> dict:
+    from graft.plugins import get_host
+    from graft.selection import explain
+
+    host = get_host()
+    registry = host.registry
+    device = torch.device(device) if device else default_device()
+    info = device_info(device)
+    known = registry.families()
+    wanted = ops or sorted(registry.ops)
+    for name in wanted:
+        registry.op(name)  # unknown op -> clear error
+    report = {
+        "graft_version": __version__,
+        "torch_version": torch.__version__,
+        "device": info.as_dict(),
+        "triton_interpret": triton_interpret(),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GRAFT_")},
+        "unknown_environment": config.unknown_env_vars(known),
+        "plugins": [r.as_dict() for r in host.records.values()],
+        "hook_errors": list(host.hook_errors),
+        "ops": [],
+    }
+    for name in wanted:
+        spec = registry.op(name)
+        op_dtype = dtype if dtype is not None else spec.dtypes[0] if spec.dtypes else None
+        decision = explain(registry, name, device=device, dtype=op_dtype)
+        entry = decision.as_dict()
+        entry.update(family=spec.family, signature=spec.signature, dtype=str(op_dtype).replace("torch.", ""))
+        report["ops"].append(entry)
+    return report
+
+
+def render_text(report: dict) -> str:
+    lines = [f"graft {report['graft_version']}  (torch {report['torch_version']})"]
+    d = report["device"]
+    lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} family={d['family']}"
+                 + ("  [TRITON_INTERPRET=1]" if report["triton_interpret"] else ""))
+    env = report["environment"]
+    lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "(no GRAFT_* variables set)"))
+    for var in report["unknown_environment"]:
+        lines.append(f"  warning: {var} is set but nothing reads it (misspelt?)")
+    lines.append("")
+    lines.append("plugins:")
+    for p in report["plugins"]:
+        version = f"{p['distribution']} {p['version']}" if p["distribution"] else "in-process"
+        lines.append(f"  {p['name']:<14} {p['status']:<9} {version:<24} {p['module']}")
+        if p.get("error"):
+            lines.append(f"      ! {p['error']}")
+        if p.get("info", {}).get("description"):
+            lines.append(f"      {p['info']['description']}")
+    lines.append("")
+    lines.append("ops (selected implementation marked '>'):")
+    for op in report["ops"]:
+        selected = op["selected"]
+        head = f"  {op['op']}  [{op['dtype']}]  order from {op['source']}"
+        if op["fell_back"]:
+            head += f"  (fell back from requested {','.join(op['requested'])})"
+        lines.append(head)
+        for c in op["candidates"]:
+            is_sel = selected is not None and c["backend"] == selected["backend"] and c["provider"] == selected["provider"]
+            mark = ">" if is_sel else " "
+            status = "ok" if c["usable"] else c["reason"]
+            lines.append(f"    {mark} {c['backend']:<10} ({c['provider']}) {status}")
+        if selected is None:
+            lines.append("    ! nothing can serve this op here")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    report = collect(device=args.device, dtype=_dtype(args.dtype), ops=args.op)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render_text(report))
+    return 0

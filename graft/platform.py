@@ -1,0 +1,83 @@
+"""What hardware is this? Device type, vendor and architecture names.
+
+Architecture names follow each vendor's compiler: ``sm_90`` (Hopper), ``sm_80``
+(Ampere) on NVIDIA; ``gfx942`` (MI300/CDNA3), ``gfx90a`` (MI200/CDNA2) on AMD.
+ROCm builds of PyTorch report AMD GPUs as device type ``cuda`` too, so the vendor
+comes from ``torch.version.hip``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Architecture family names used by autotune tables (see graft.kernels.triton.autotune).
+_FAMILIES = (
+    ("gfx94", "cdna3"),
+    ("gfx95", "cdna4"),
+    ("gfx90a", "cdna2"),
+    ("gfx908", "cdna1"),
+    ("gfx11", "rdna3"),
+    ("gfx12", "rdna4"),
+    ("sm_100", "blackwell"),
+    ("sm_90", "hopper"),
+    ("sm_89", "ada"),
+    ("sm_8", "ampere"),
+    ("sm_7", "volta"),
+)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # torch device type: "cpu" or "cuda" (also for ROCm)
+    vendor: str  # "cpu", "nvidia" or "amd"
+    arch: str  # "cpu", "sm_90", "gfx942", ...
+    name: str  # marketing name, for reports
+
+    @property
+    def family(self) -> str:
+        return arch_family(self.arch)
+
+    def as_dict(self) -> dict:
+        return {"type": self.type, "vendor": self.vendor, "arch": self.arch, "family": self.family, "name": self.name}
+
+
+def arch_family(arch: str) -> str:
+    for prefix, family in _FAMILIES:
+        if arch.startswith(prefix):
+            return family
+    return "cpu" if arch == "cpu" else "unknown"
+
+
+def is_rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    if is_rocm():
+        arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
+        return DeviceInfo("cuda", "amd", arch, props.name)
+    return DeviceInfo("cuda", "nvidia", f"sm_{props.major}{props.minor}", props.name)
+
+
+def device_info(device: torch.device | str | None = None) -> DeviceInfo:
+    """Describe ``device`` (default: the current accelerator if there is one, else the CPU)."""
+    if device is None:
+        device = default_device()
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
+    return DeviceInfo(device.type, "cpu" if device.type == "cpu" else device.type, device.type, device.type)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}

@@ -1,0 +1,176 @@
+"""The op registry: op specifications and the implementations that serve them.
+
+An :class:`OpSpec` names an op (``"attention.prefill"``), its family, a typed
+signature, and its torch reference. Each :class:`Implementation` is one way of
+running it (``backend`` = ``"torch"``, ``"triton"``, ``"hip"``, or anything a plugin
+defines) and declares what it supports: device types, dtypes, architectures,
+environment availability, and a per-call check for shapes and features.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from graft.errors import GraftError
+
+FAMILIES = ("attention", "gemm", "moe", "collectives", "fused")
+FAMILY_DESCRIPTIONS = {
+    "attention": "prefill flash-attention (causal, varlen, GQA) and paged-KV decode",
+    "gemm": "dense fp16/bf16 GEMM with epilogues, W8A8 int8, W4A16 GPTQ/AWQ",
+    "moe": "top-k routing, token alignment, fused grouped expert GEMMs",
+    "collectives": "all-reduce, all-gather, reduce-scatter and GEMM/comm overlap",
+    "fused": "small fused ops the framework integrations need (RMSNorm, SiLU-and-mul, rotary)",
+}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An op every backend implements the same way.
+
+    ``reference`` is the torch implementation that defines the op's semantics.
+    ``key_arg`` is the position of the tensor argument whose device and dtype drive
+    backend selection. ``validate`` (optional) raises GraftInputError on bad input
+    before any implementation runs, so every backend rejects bad input the same way.
+    """
+
+    name: str
+    family: str
+    signature: str
+    reference: Callable
+    description: str = ""
+    key_arg: int = 0
+    validate: Callable | None = None
+    dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise GraftError(f"op {self.name!r}: unknown family {self.family!r}; families are {', '.join(FAMILIES)}")
+        if not self.name.startswith(self.family + "."):
+            raise GraftError(f"op name {self.name!r} must start with its family, e.g. '{self.family}.xyz'")
+
+
+# A check returns None when it can serve the request, else the reason it cannot.
+Check = Callable[..., "str | None"]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One way of running an op, and what it can serve."""
+
+    op: str
+    backend: str
+    fn: Callable
+    provider: str = "graft"
+    description: str = ""
+    devices: frozenset = frozenset({"cpu", "cuda"})
+    dtypes: frozenset | None = None  # None: any dtype the op accepts
+    archs: tuple | None = None  # arch prefixes ("sm_9", "gfx94"); None: any (CPU included)
+    available: Callable[[], "str | None"] | None = None  # environment check, e.g. toolchain present
+    check: Check | None = None  # per-call check on the op's actual arguments
+    custom_op: object = None  # the torch.ops handle when exposed as a torch.library op
+    priority: int = 0  # tie-break between impls of the same backend: higher first
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}:{self.backend}:{self.provider}"
+
+    def static_reason(self, device_type: str, dtype: torch.dtype | None, arch: str | None) -> str | None:
+        """Why this impl cannot serve a (device, dtype, arch) request, or None if it can."""
+        if device_type not in self.devices:
+            return f"device type {device_type!r} not supported (supports {', '.join(sorted(self.devices))})"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes))
+            return f"dtype {str(dtype).replace('torch.', '')} not supported (supports {names})"
+        if self.archs is not None and device_type != "cpu":
+            if arch is None or not any(arch.startswith(p) for p in self.archs):
+                return f"architecture {arch} not supported (supports {', '.join(self.archs)})"
+        if self.available is not None:
+            reason = self.available()
+            if reason:
+                return reason
+        return None
+
+
+@dataclass
+class Registry:
+    """All known ops and their implementations."""
+
+    ops: dict = field(default_factory=dict)  # name -> OpSpec
+    impls: dict = field(default_factory=dict)  # op name -> list[Implementation]
+    # (device_type, arch) -> default backend priority, or None for graft's default.
+    default_priority: object = None
+
+    def add_op(self, spec: OpSpec) -> OpSpec:
+        existing = self.ops.get(spec.name)
+        if existing is not None and existing is not spec:
+            raise GraftError(f"op {spec.name!r} is already defined")
+        self.ops[spec.name] = spec
+        self.impls.setdefault(spec.name, [])
+        return spec
+
+    def add_ops(self, specs: Iterable[OpSpec]) -> None:
+        for spec in specs:
+            self.add_op(spec)
+
+    def add_impl(self, impl: Implementation) -> Implementation:
+        if impl.op not in self.ops:
+            raise GraftError(
+                f"cannot register {impl.backend!r} implementation of unknown op {impl.op!r}; "
+                f"known ops: {', '.join(sorted(self.ops)) or '(none)'}"
+            )
+        bucket = self.impls[impl.op]
+        if any(i.key == impl.key for i in bucket):
+            raise GraftError(f"implementation {impl.key} registered twice")
+        bucket.append(impl)
+        bucket.sort(key=lambda i: -i.priority)
+        return impl
+
+    def op(self, name: str) -> OpSpec:
+        try:
+            return self.ops[name]
+        except KeyError:
+            raise GraftError(f"unknown op {name!r}; known ops: {', '.join(sorted(self.ops))}") from None
+
+    def implementations(self, name: str) -> list:
+        self.op(name)
+        return list(self.impls[name])
+
+    def backends(self) -> set:
+        return {i.backend for impls in self.impls.values() for i in impls}
+
+    def families(self) -> dict:
+        """op name -> family, for every op."""
+        return {name: spec.family for name, spec in self.ops.items()}
+
+
+def reference_impl(spec: OpSpec, provider: str = "graft") -> Implementation:
+    """The torch reference as an implementation: any device, any dtype the op allows."""
+    return Implementation(
+        op=spec.name,
+        backend="torch",
+        fn=spec.reference,
+        provider=provider,
+        description="torch reference",
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}),
+        priority=-100,
+    )
+
+
+def key_tensor(spec: OpSpec, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor whose device/dtype drives selection (first tensor if key_arg is out of range)."""
+    if len(args) > spec.key_arg and isinstance(args[spec.key_arg], torch.Tensor):
+        return args[spec.key_arg]
+    try:
+        params = list(inspect.signature(spec.reference).parameters)
+        name = params[spec.key_arg]
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name]
+    except (ValueError, TypeError, IndexError):
+        pass
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None

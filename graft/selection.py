@@ -1,0 +1,179 @@
+"""Backend selection: which implementation serves a request, and why.
+
+Order of candidates for an op:
+
+1. the op's priority list (``GRAFT_<OP>``), else its family's (``GRAFT_<FAMILY>``),
+   else ``GRAFT_BACKENDS``, else the default ``hip,triton,torch``;
+2. backends not in that list follow in default order (so a list only reorders);
+3. the torch reference is last unless the list names it earlier.
+
+A candidate is skipped when it is disabled, cannot serve the device/dtype/arch, is
+unavailable in this environment, or rejects the call's arguments. Skipping a backend
+the user asked for explicitly is logged once as a warning (with ``GRAFT_STRICT=1`` it
+raises instead); routine skips are logged once at INFO.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from graft import config
+from graft.errors import GraftUnsupportedError
+from graft.registry import Implementation, Registry
+
+log = logging.getLogger("graft.selection")
+
+_logged: set = set()
+_log_lock = threading.Lock()
+_static_cache: dict = {}
+
+
+@dataclass
+class Candidate:
+    impl: Implementation
+    reason: str | None  # None: can serve
+
+
+@dataclass
+class Decision:
+    op: str
+    selected: Implementation | None
+    candidates: list = field(default_factory=list)
+    source: str = "default"  # which variable decided the order
+    requested: tuple = ()  # the explicit priority list, if a variable set one
+
+    @property
+    def fell_back(self) -> bool:
+        """True when an explicitly requested first-choice backend could not serve."""
+        return bool(self.requested) and self.selected is not None and self.selected.backend != self.requested[0]
+
+    def as_dict(self) -> dict:
+        return {
+            "op": self.op,
+            "selected": None if self.selected is None else _impl_dict(self.selected),
+            "source": self.source,
+            "requested": list(self.requested),
+            "fell_back": self.fell_back,
+            "candidates": [dict(_impl_dict(c.impl), usable=c.reason is None, reason=c.reason) for c in self.candidates],
+        }
+
+
+def _impl_dict(impl: Implementation) -> dict:
+    return {"backend": impl.backend, "provider": impl.provider, "description": impl.description}
+
+
+def _ordered_backends(priority: tuple, default: tuple, registry_backends: set) -> list:
+    order = [b for b in priority]
+    for b in tuple(default) + tuple(sorted(registry_backends)):
+        if b not in order and b != config.REFERENCE_BACKEND:
+            order.append(b)
+    if config.REFERENCE_BACKEND not in order:
+        order.append(config.REFERENCE_BACKEND)
+    return order
+
+
+def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arch):
+    snapshot = config.env_snapshot()
+    key = (id(registry), len(registry.impls.get(op, ())), op, device_type, dtype, arch, snapshot)
+    hit = _static_cache.get(key)
+    if hit is not None:
+        return hit
+    spec = registry.op(op)
+    default = registry.default_priority(device_type, arch) if registry.default_priority else None
+    settings = config.load_settings(registry.backends(), registry.families(), default_priority=default)
+    priority, var = settings.priority_for(op, spec.family)
+    requested = tuple(priority) if var is not None else ()
+    by_backend: dict = {}
+    for impl in registry.implementations(op):
+        by_backend.setdefault(impl.backend, []).append(impl)
+    candidates = []
+    whole_op_off = settings.is_disabled("all", op, spec.family)
+    for backend in _ordered_backends(tuple(priority), settings.global_priority, set(by_backend)):
+        for impl in by_backend.get(backend, []):
+            off = settings.is_disabled(backend)
+            if whole_op_off and backend != config.REFERENCE_BACKEND:
+                reason = f"disabled by GRAFT_DISABLE={whole_op_off}"
+            elif off and backend != config.REFERENCE_BACKEND:
+                reason = f"disabled by GRAFT_DISABLE={off}"
+            else:
+                reason = impl.static_reason(device_type, dtype, arch)
+            candidates.append(Candidate(impl, reason))
+    result = (candidates, var or "default", requested, settings.strict)
+    if len(_static_cache) > 4096:
+        _static_cache.clear()
+    _static_cache[key] = result
+    return result
+
+
+def _log_once(level: int, key, message: str) -> None:
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    log.log(level, message)
+
+
+def decide(
+    registry: Registry,
+    op: str,
+    device_type: str = "cpu",
+    dtype: torch.dtype | None = None,
+    arch: str | None = None,
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+) -> Decision:
+    """Choose the implementation for one request. ``args`` enables per-call checks."""
+    static, source, requested, strict = _static_candidates(registry, op, device_type, dtype, arch)
+    candidates = []
+    selected = None
+    for cand in static:
+        reason = cand.reason
+        if reason is None and args is not None and cand.impl.check is not None:
+            reason = cand.impl.check(*args, **(kwargs or {}))
+        candidates.append(Candidate(cand.impl, reason))
+        if reason is None and selected is None:
+            selected = cand.impl
+    decision = Decision(op, selected, candidates, source, requested)
+    if selected is None:
+        raise GraftUnsupportedError(f"no implementation of {op} can serve this request:\n" + _reasons(candidates))
+    # Only candidates ranked above the selected one were really passed over.
+    for cand in candidates[: candidates.index(next(c for c in candidates if c.impl is selected))]:
+        explicit = cand.impl.backend in requested
+        if explicit and strict:
+            raise GraftUnsupportedError(
+                f"{source} asks for backend {cand.impl.backend!r} for {op}, which cannot serve this request "
+                f"({cand.reason}); GRAFT_STRICT=1 forbids falling back"
+            )
+        level = logging.WARNING if explicit else logging.INFO
+        _log_once(
+            level,
+            (op, cand.impl.key, cand.reason),
+            f"{op}: {cand.impl.backend} ({cand.impl.provider}) skipped: {cand.reason}; using {selected.backend}",
+        )
+    return decision
+
+
+def _reasons(candidates) -> str:
+    return "\n".join(f"  - {c.impl.backend} ({c.impl.provider}): {c.reason}" for c in candidates) or "  (no implementations)"
+
+
+def explain(registry: Registry, op: str, device=None, dtype=None) -> Decision:
+    """What would serve ``op`` on ``device`` (default: this machine's) for ``dtype``."""
+    from graft.platform import device_info
+
+    info = device_info(device)
+    try:
+        return decide(registry, op, info.type, dtype, info.arch)
+    except GraftUnsupportedError:
+        static, source, requested, _ = _static_candidates(registry, op, info.type, dtype, info.arch)
+        return Decision(op, None, list(static), source, requested)
+
+
+def reset_caches() -> None:
+    """Forget cached decisions and which messages were logged (tests use this)."""
+    _static_cache.clear()
+    with _log_lock:
+        _logged.clear()

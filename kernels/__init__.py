@@ -1,0 +1,1 @@
+"""Kernel implementations (installed as ``graft.kernels``): ``triton/`` and ``hip/``."""

@@ -1,0 +1,1 @@
+"""HIP/CUDA C++ kernels; each public module defines ``register(registry)``."""

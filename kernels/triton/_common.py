@@ -1,0 +1,26 @@
+"""What every Triton kernel module needs: where Triton can run, and input preparation."""
+from __future__ import annotations
+
+import torch
+
+from graft.platform import triton_interpret
+
+
+def triton_devices() -> frozenset:
+    """Device types Triton kernels can serve in this process.
+
+    CUDA/ROCm GPUs always; the CPU only under TRITON_INTERPRET=1, which must be set
+    before triton is imported (kernels are wrapped for the interpreter at definition).
+    """
+    return frozenset({"cuda", "cpu"}) if triton_interpret() else frozenset({"cuda"})
+
+
+def triton_unavailable() -> str | None:
+    """Environment check for Implementation.available: None when Triton can run here."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton not installed ({exc})"
+    if not triton_interpret() and not torch.cuda.is_available():
+        return "no GPU, and TRITON_INTERPRET=1 is not set (Triton runs on the CPU only in its interpreter)"
+    return None
