@@ -1,0 +1,35 @@
+"""Test set-up shared by every test module.
+
+Triton kernels run on the CPU only in the interpreter, and TRITON_INTERPRET must be
+set before triton is first imported, so it is set here, at collection start, unless
+the environment already chose (the GPU check runs with TRITON_INTERPRET=0).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fresh_graft(monkeypatch):
+    """A clean plugin host and selection caches, with no GRAFT_* variables set."""
+    from graft import plugins
+
+    for key in list(os.environ):
+        if key.startswith("GRAFT_"):
+            monkeypatch.delenv(key)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+@pytest.fixture
+def device():
+    """Tests run on the CPU here; GRAFT_TEST_DEVICE=cuda runs them on a GPU (ci/gpu_check.sh)."""
+    import torch
+
+    name = os.environ.get("GRAFT_TEST_DEVICE", "cpu")
+    if name != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"GRAFT_TEST_DEVICE={name} but no GPU is available")
+    return torch.device(name)
