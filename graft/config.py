@@ -56,6 +56,7 @@ declare_env_var("GRAFT_DISABLE", "backends, op families, ops, or 'all' to switch
 declare_env_var("GRAFT_DISABLE_PLUGINS", "adapter plugin names not to load")
 declare_env_var("GRAFT_STRICT", "1: raise instead of falling back from an explicitly requested backend")
 declare_env_var("GRAFT_LOG_LEVEL", "log level of the 'graft' logger")
+declare_env_var("GRAFT_TEST_DEVICE", "device graft's own test suite runs on (cpu, or cuda in ci/gpu_check.sh)")
 
 
 def op_env_var(name: str) -> str:

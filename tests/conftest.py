@@ -17,7 +17,7 @@ def fresh_graft(monkeypatch):
     from graft import plugins
 
     for key in list(os.environ):
-        if key.startswith("GRAFT_"):
+        if key.startswith("GRAFT_") and key != "GRAFT_TEST_DEVICE":
             monkeypatch.delenv(key)
     plugins.reset()
     yield
