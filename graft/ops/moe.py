@@ -1,0 +1,333 @@
+"""Mixture-of-experts ops: top-k routing, token alignment per expert, fused expert MLPs.
+
+The three ops compose into one MoE layer (the layout vLLM's fused MoE uses)::
+
+    weights, ids = topk_routing(router_logits, top_k, renormalize=True)
+    out = fused_experts(hidden, w13, w2, weights, ids)        # aligns internally
+
+``align_block_size`` is public because grouped-GEMM kernels of other backends need
+the same per-expert, block-padded token layout.
+
+Semantics (shared by every backend; the torch references below define them):
+
+``topk_routing(router_logits [T, E], top_k, renormalize, scoring="softmax")``
+    Scores are ``softmax`` over experts in fp32 (or ``sigmoid`` per expert), then the
+    ``top_k`` largest scores per token, largest first. Ties go to the lowest expert id.
+    With ``renormalize`` each token's k weights are divided by their sum. Returns
+    ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])``.
+
+``align_block_size(topk_ids [T, k] int32, block_size, num_experts)``
+    Flattened slot ``i = t * k + j`` (token t, slot j) is grouped by expert
+    ``topk_ids[t, j]``; experts in increasing id order, slots of one expert in
+    increasing ``i`` (stable). Each expert's group is padded up to a multiple of
+    ``block_size`` with the sentinel ``T * k``; an expert with no slots gets no block.
+    Returns ``sorted_token_ids`` int32 of fixed size ``T*k + num_experts*(block_size-1)``
+    (entries past the used part are the sentinel), ``expert_ids`` int32 of size
+    ``ceil(len(sorted_token_ids) / block_size)`` (one expert per block; ``-1`` for
+    unused blocks) and ``num_tokens_post_padded`` int32 [1] (used length, a multiple of
+    block_size).
+
+``fused_experts(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k], activation="silu")``
+    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
+    and ``[g; u] = w13[e] @ hidden[t]`` (gate = the first I rows of w13, as in vLLM).
+    Returns [T, H] in hidden's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from graft.cases import OpCase
+from graft.dispatch import call
+from graft.errors import GraftInputError
+from graft.ops._validate import check_same_device, check_tensor
+from graft.registry import OpSpec
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu",)
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def aligned_sizes(num_slots: int, block_size: int, num_experts: int) -> tuple[int, int]:
+    """(len(sorted_token_ids), len(expert_ids)): fixed upper bounds, so fake impls can state them."""
+    max_padded = num_slots + num_experts * (block_size - 1)
+    return max_padded, -(-max_padded // block_size)
+
+
+def _ids_in_range(topk_ids: torch.Tensor) -> bool:
+    """Whether checking id values is possible without tracing or a CUDA-graph capture.
+
+    Reading values forces a device sync; it is skipped for fake/meta tensors and while a
+    CUDA graph is being captured (where syncing is illegal).
+    """
+    if topk_ids.numel() == 0 or topk_ids.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(topk_ids, FakeTensor):
+        return False
+    if topk_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = None) -> None:
+    check_tensor(f"{op}: topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2)
+    if num_tokens is not None and topk_ids.shape[0] != num_tokens:
+        raise GraftInputError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, expected {num_tokens} (one per token)")
+    if _ids_in_range(topk_ids):
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise GraftInputError(
+                f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}), got values in [{lo}, {hi}]"
+            )
+
+
+# ---------------------------------------------------------------- topk_routing
+
+def validate_topk_routing(router_logits, top_k, renormalize=True, scoring="softmax"):
+    op = "moe.topk_routing"
+    check_tensor(f"{op}: router_logits", router_logits, dtypes=FLOAT_DTYPES, ndim=2)
+    num_experts = router_logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise GraftInputError(f"{op}: top_k must be an int, got {type(top_k).__name__}")
+    if top_k <= 0 or top_k > num_experts:
+        raise GraftInputError(f"{op}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if not isinstance(renormalize, bool):
+        raise GraftInputError(f"{op}: renormalize must be a bool, got {type(renormalize).__name__}")
+    if scoring not in SCORINGS:
+        raise GraftInputError(f"{op}: scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+
+
+def topk_routing_reference(router_logits, top_k, renormalize=True, scoring="softmax"):
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    # Ties -> lowest expert id: a stable descending sort keeps equal scores in id order.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.gather(scores, 1, order)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.contiguous(), order.to(torch.int32).contiguous()
+
+
+def topk_routing(router_logits, top_k, renormalize=True, scoring="softmax"):
+    """Top-k experts per token: (weights fp32 [T, k], ids int32 [T, k]); see the module doc."""
+    return call("moe.topk_routing", router_logits, top_k, renormalize, scoring)
+
+
+# ---------------------------------------------------------------- align_block_size
+
+def validate_align_block_size(topk_ids, block_size, num_experts):
+    op = "moe.align_block_size"
+    for name, value in (("block_size", block_size), ("num_experts", num_experts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise GraftInputError(f"{op}: {name} must be a positive int, got {value!r}")
+    _check_ids(op, topk_ids, num_experts)
+
+
+def align_block_size_reference(topk_ids, block_size, num_experts):
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_slots = flat.numel()
+    max_padded, max_blocks = aligned_sizes(num_slots, block_size, num_experts)
+    sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
+    expert_ids = torch.full((max_blocks,), -1, dtype=torch.int32, device=device)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.sort(flat, stable=True).indices  # stable: slots of one expert in index order
+    if num_slots:
+        rank = torch.arange(num_slots, device=device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+        sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    total = int(padded.sum())
+    blocks = torch.arange(total // block_size, device=device)
+    ends_in_blocks = torch.cumsum(padded, 0) // block_size
+    expert_ids[: total // block_size] = torch.searchsorted(ends_in_blocks, blocks, right=True).to(torch.int32)
+    return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=device)
+
+
+def align_block_size(topk_ids, block_size, num_experts):
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded); see the module doc."""
+    return call("moe.align_block_size", topk_ids, block_size, num_experts)
+
+
+# ---------------------------------------------------------------- fused_experts
+
+def validate_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    op = "moe.fused_experts"
+    check_tensor(f"{op}: hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor(f"{op}: w13", w13, ndim=3)
+    check_tensor(f"{op}: w2", w2, ndim=3)
+    check_tensor(f"{op}: topk_weights", topk_weights, dtypes=FLOAT_DTYPES, ndim=2)
+    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != hidden.dtype:
+            raise GraftInputError(f"{op}: {name} has dtype {w.dtype}, expected hidden's dtype {hidden.dtype}")
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_i, h13 = w13.shape
+    if h13 != hidden_size:
+        raise GraftInputError(f"{op}: w13 is [E, 2I, H] = {tuple(w13.shape)} but hidden has H={hidden_size}")
+    if two_i % 2 or two_i == 0:
+        raise GraftInputError(f"{op}: w13 dim 1 must be 2*I (gate rows then up rows), got {two_i}")
+    inter = two_i // 2
+    if tuple(w2.shape) != (num_experts, hidden_size, inter):
+        raise GraftInputError(
+            f"{op}: w2 must be [E, H, I] = {(num_experts, hidden_size, inter)} to match w13/hidden, got {tuple(w2.shape)}"
+        )
+    if topk_weights.shape[0] != num_tokens:
+        raise GraftInputError(f"{op}: topk_weights has {topk_weights.shape[0]} rows, expected T={num_tokens}")
+    _check_ids(op, topk_ids, num_experts, num_tokens)
+    if topk_ids.shape != topk_weights.shape:
+        raise GraftInputError(
+            f"{op}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must have one shape"
+        )
+    if topk_ids.shape[1] <= 0 or topk_ids.shape[1] > num_experts:
+        raise GraftInputError(f"{op}: top_k must be in [1, num_experts={num_experts}], got {topk_ids.shape[1]}")
+    if activation not in ACTIVATIONS:
+        raise GraftInputError(f"{op}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+
+
+def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    """A plain loop over experts with fp32 accumulation: the semantics every backend matches."""
+    num_tokens, hidden_size = hidden.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+    weights = topk_weights.float()
+    ids = topk_ids.long()
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        x = hidden[tokens].float()
+        gate_up = x @ w13[expert].float().t()
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = act @ w2[expert].float().t()
+        out.index_add_(0, tokens, y * weights[tokens, slots].unsqueeze(1))
+    return out.to(hidden.dtype)
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    """Weighted sum over each token's top-k expert MLPs (SiLU-gated); see the module doc."""
+    return call("moe.fused_experts", hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+# ---------------------------------------------------------------- catalogue
+
+OPS = [
+    OpSpec(
+        name="moe.topk_routing",
+        family="moe",
+        signature="(router_logits[T,E], top_k:int, renormalize:bool=True, scoring:str='softmax') "
+        "-> (topk_weights fp32[T,k], topk_ids int32[T,k])",
+        reference=topk_routing_reference,
+        description="softmax (or sigmoid) scores in fp32, top-k experts per token, optional renormalization",
+        validate=validate_topk_routing,
+    ),
+    OpSpec(
+        name="moe.align_block_size",
+        family="moe",
+        signature="(topk_ids int32[T,k], block_size:int, num_experts:int) -> (sorted_token_ids int32"
+        "[T*k+E*(block_size-1)], expert_ids int32[num_blocks], num_tokens_post_padded int32[1])",
+        reference=align_block_size_reference,
+        description="group (token, slot) pairs by expert, padded per expert to a multiple of block_size",
+        validate=validate_align_block_size,
+        dtypes=(torch.int32,),
+    ),
+    OpSpec(
+        name="moe.fused_experts",
+        family="moe",
+        signature="(hidden[T,H], w13[E,2I,H], w2[E,H,I], topk_weights[T,k], topk_ids int32[T,k], "
+        "activation:str='silu') -> [T,H]",
+        reference=fused_experts_reference,
+        description="grouped expert GEMMs with fused SiLU-and-mul and routing-weighted combine",
+        validate=validate_fused_experts,
+    ),
+]
+
+
+# ---------------------------------------------------------------- cases
+
+def _distinct_logits(num_tokens, num_experts, gen, device, dtype):
+    """Logits whose scores have no ties (a random permutation of spaced values per row)."""
+    base = torch.linspace(-2.0, 2.0, num_experts)
+    rows = [base[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)]
+    noise = torch.rand(num_tokens, num_experts, generator=gen) * (1.0 / (4 * max(num_experts, 1)))
+    logits = torch.stack(rows) + noise if num_tokens else torch.zeros(0, num_experts)
+    return logits.to(device=device, dtype=dtype)
+
+
+def _routing_case(num_tokens, num_experts, top_k, renormalize, scoring="softmax", tags=("quick",)):
+    def make(device, dtype, gen):
+        logits = _distinct_logits(num_tokens, num_experts, gen, device, dtype)
+        return (logits, top_k, renormalize, scoring), {}
+
+    name = f"t{num_tokens}_e{num_experts}_k{top_k}{'_renorm' if renormalize else ''}_{scoring}"
+    return OpCase("moe.topk_routing", name, make, tags=frozenset(tags),
+                  flops=lambda args, kwargs: 5.0 * args[0].numel())
+
+
+def random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert=None):
+    """Distinct experts per token (as routing gives), optionally never choosing ``skip_expert``."""
+    pool = [e for e in range(num_experts) if e != skip_expert]
+    rows = []
+    for _ in range(num_tokens):
+        perm = torch.randperm(len(pool), generator=gen)[:top_k]
+        rows.append(torch.tensor([pool[p] for p in perm.tolist()]))
+    if not rows:
+        return torch.zeros(0, top_k, dtype=torch.int32)
+    return torch.stack(rows).to(torch.int32)
+
+
+def _align_case(num_tokens, num_experts, top_k, block_size, skip_expert=None):
+    def make(device, dtype, gen):
+        ids = random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert).to(device)
+        return (ids, block_size, num_experts), {}
+
+    name = f"t{num_tokens}_e{num_experts}_k{top_k}_bs{block_size}"
+    return OpCase("moe.align_block_size", name, make, dtypes=(torch.int32,),
+                  tags=frozenset({"quick"}), flops=lambda args, kwargs: float(args[0].numel()))
+
+
+def make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter, device, dtype, gen, skip_expert=None):
+    """Inputs of fused_experts with weights scaled so outputs stay O(1) in every dtype."""
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) / hidden_size ** 0.5
+    w2 = torch.randn(num_experts, hidden_size, inter, generator=gen) / inter ** 0.5
+    ids = random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert)
+    weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1)
+    to = dict(device=device, dtype=dtype)
+    return (hidden.to(**to), w13.to(**to), w2.to(**to), weights.to(device), ids.to(device)), {}
+
+
+def fused_experts_flops(args, kwargs) -> float:
+    hidden, w13, _w2, _weights, ids = args[:5]
+    num_tokens, hidden_size = hidden.shape
+    inter = w13.shape[1] // 2
+    return 2.0 * num_tokens * ids.shape[1] * hidden_size * inter * 3  # GEMM1 (2I x H) + GEMM2 (H x I)
+
+
+def _fused_case(num_tokens, num_experts, top_k, hidden_size, inter, tags=("quick",), skip_expert=None):
+    def make(device, dtype, gen):
+        return make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter, device, dtype, gen, skip_expert)
+
+    name = f"t{num_tokens}_e{num_experts}_k{top_k}_h{hidden_size}_i{inter}"
+    return OpCase("moe.fused_experts", name, make, tags=frozenset(tags), flops=fused_experts_flops)
+
+
+CASES = [
+    _routing_case(7, 5, 2, True),
+    _routing_case(3, 8, 8, False),
+    _routing_case(5, 7, 1, False, "sigmoid"),
+    _routing_case(4096, 64, 8, True, "softmax", tags=("gpu",)),
+    _align_case(1, 4, 2, 4),
+    _align_case(17, 8, 2, 16, skip_expert=3),
+    _align_case(33, 5, 4, 4),
+    _fused_case(1, 4, 1, 48, 40),
+    _fused_case(17, 8, 2, 96, 40, skip_expert=5),
+    _fused_case(0, 4, 2, 48, 40),
+    # Benchmark shapes: Mixtral-like prefill (H=4096, I=14336 scaled to I=7168 to fit beside
+    # the fp32 reference) and a decode-sized batch.
+    _fused_case(4096, 8, 2, 4096, 7168, tags=("gpu",)),
+    _fused_case(32, 8, 2, 4096, 14336, tags=("gpu",)),
+]
