@@ -27,6 +27,13 @@ class OpCase:
     normalize: Callable | None = None
     # FLOPs or bytes moved for one call, for throughput columns: (args, kwargs) -> float.
     flops: Callable | None = None
+    # Optional numerics overrides for this case (see graft.conformance.tolerances): a float for
+    # every dtype or a {dtype: float} dict. atol is relative to the output's RMS, rtol to each element.
+    atol: float | dict | None = None
+    rtol: float | dict | None = None
+    # Accumulation length of the op's longest reduction, (args, kwargs) -> int (e.g. K of a GEMM),
+    # so that tolerances can grow with it; None means a short reduction.
+    reduction: Callable | None = None
 
     @property
     def id(self) -> str:
