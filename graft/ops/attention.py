@@ -1,0 +1,406 @@
+"""Attention: flash-attention prefill over packed variable-length sequences, and
+single-token decode against a paged KV cache.
+
+``attention.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+causal=False, softmax_scale=None)`` follows flash-attn's "varlen" convention:
+
+* ``q`` is ``[total_q, num_heads, head_dim]``, ``k``/``v`` are ``[total_k, num_kv_heads,
+  head_dim]``: the sequences of a batch packed one after the other along dim 0.
+* ``cu_seqlens_q``/``cu_seqlens_k`` (int32, ``[batch + 1]``, starting at 0,
+  non-decreasing) are the offsets of each sequence; ``cu_seqlens_q[-1] == total_q``
+  and ``cu_seqlens_k[-1] <= total_k``. ``max_seqlen_q``/``max_seqlen_k`` are upper
+  bounds of the per-sequence lengths (kernels size their launch grid with them).
+* GQA/MQA: ``num_heads % num_kv_heads == 0``; query head ``h`` reads kv head
+  ``h // (num_heads // num_kv_heads)``.
+* ``causal`` masks are bottom-right aligned when a sequence has ``seqlen_q != seqlen_k``
+  (query ``i`` sees keys ``j <= i + seqlen_k - seqlen_q``), as in flash-attn >= 2.1 and
+  vLLM: the queries are the last ``seqlen_q`` tokens of the context. A query row that
+  sees no key outputs zeros.
+* ``softmax_scale`` defaults to ``1/sqrt(head_dim)``. Softmax and accumulation are fp32;
+  the output has ``q``'s dtype and shape.
+
+``attention.decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
+softmax_scale=None, num_splits=0)``: one query token per sequence.
+
+* ``query`` is ``[num_seqs, num_heads, head_dim]``.
+* ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``:
+  the per-cache layout of vLLM's v1 FlashAttention backend. (vLLM 0.33 allocates one
+  ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` tensor per layer and hands the
+  kernel ``kv_cache.transpose(1, 2).split(head_dim, -1)``, i.e. two non-contiguous views of
+  exactly this logical shape; older releases used ``[2, num_blocks, block_size,
+  num_kv_heads, head_dim]`` and ``kv_cache.unbind(0)``. Both are served without copies:
+  kernels take arbitrary strides.)
+* ``block_tables`` (int32, ``[num_seqs, max_blocks_per_seq]``) maps a sequence's logical
+  block ``i`` (tokens ``i*block_size ..``) to a physical block of the caches.
+* ``seq_lens`` (int32, ``[num_seqs]``) is each context's length including the current
+  token; ``0`` gives a zero output row.
+* ``num_splits`` only changes how an implementation partitions the work (split-K /
+  flash-decoding); ``0`` lets it choose. Results must not depend on it beyond rounding.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from graft.cases import OpCase
+from graft.dispatch import call
+from graft.errors import GraftInputError
+from graft.ops._validate import check_same_device, check_same_dtype, check_tensor
+from graft.registry import OpSpec
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32,)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _attend(q, k, v, scale, causal):
+    """One sequence: q [Sq, H, D], k/v [Sk, KVH, D] -> fp32 [Sq, H, D]. Plain fp32 math."""
+    sq, num_heads, _ = q.shape
+    sk, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # [H, Sq, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Sq, Sk]
+    if causal:
+        rows = torch.arange(sq, device=q.device)[:, None]
+        cols = torch.arange(sk, device=q.device)[None, :]
+        visible = cols <= rows + (sk - sq)  # bottom-right aligned
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sk == 0:
+        return torch.zeros(sq, num_heads, q.shape[-1], dtype=torch.float32, device=q.device)
+    # Rows that see no key: softmax of all -inf is NaN; define them as zeros.
+    row_empty = torch.isinf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [Sq, H, D]
+
+
+def _scale_or_default(softmax_scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    scale = _scale_or_default(softmax_scale, q.shape[-1])
+    out = torch.zeros_like(q)
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        if q1 > q0:
+            out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal).to(q.dtype)
+    return out
+
+
+def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    scale = _scale_or_default(softmax_scale, query.shape[-1])
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    out = torch.zeros_like(query)
+    for s, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        out[s] = _attend(query[s : s + 1], k, v, scale, causal=False)[0].to(query.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _as_int(name, value, op):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise GraftInputError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
+
+
+def _check_scale(op, softmax_scale):
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        raise GraftInputError(f"{op}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+
+
+def _can_read_values(t: torch.Tensor) -> bool:
+    """Whether data-dependent checks may read ``t``: not while tracing or capturing a CUDA graph."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _check_heads(op, q_name, num_heads, num_kv_heads):
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise GraftInputError(
+            f"{op}: {q_name} has {num_heads} heads, not a multiple of num_kv_heads={num_kv_heads} (GQA needs a whole "
+            "number of query heads per kv head)"
+        )
+
+
+def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total):
+    values = cu.tolist()
+    if values[0] != 0:
+        raise GraftInputError(f"{op}: {name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise GraftInputError(f"{op}: {name} must be non-decreasing, got {values}")
+    if exact_total and values[-1] != total:
+        raise GraftInputError(f"{op}: {name}[-1] = {values[-1]} must equal the number of packed tokens ({total})")
+    if values[-1] > total:
+        raise GraftInputError(f"{op}: {name}[-1] = {values[-1]} exceeds the number of packed tokens ({total})")
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise GraftInputError(f"{op}: a sequence has {longest} tokens but the max_seqlen given for {name} is {max_seqlen}")
+
+
+def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    op = "attention.prefill"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(f"{op}: {name}", t, dtypes=FLOAT_DTYPES, ndim=3)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(f"{op}: {name}", t, dtypes=INDEX_DTYPES, ndim=1)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if k.shape != v.shape:
+        raise GraftInputError(f"{op}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise GraftInputError(f"{op}: head_dim of q ({q.shape[2]}) and k/v ({k.shape[2]}) differ")
+    _check_heads(op, "q", q.shape[1], k.shape[1])
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 1:
+        raise GraftInputError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k must both have batch+1 >= 1 entries, got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    max_q = _as_int("max_seqlen_q", max_seqlen_q, op)
+    max_k = _as_int("max_seqlen_k", max_seqlen_k, op)
+    if max_q < 0 or max_k < 0:
+        raise GraftInputError(f"{op}: max_seqlen_q/max_seqlen_k must be >= 0, got {max_q}/{max_k}")
+    if not isinstance(causal, bool):
+        raise GraftInputError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    _check_scale(op, softmax_scale)
+    if _can_read_values(cu_seqlens_q):
+        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, exact_total=True)
+        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_k, exact_total=False)
+
+
+def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    op = "attention.decode_paged"
+    check_tensor(f"{op}: query", query, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(f"{op}: value_cache", value_cache, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(f"{op}: block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor(f"{op}: seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
+    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
+    check_same_device(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens
+    )
+    if key_cache.shape != value_cache.shape:
+        raise GraftInputError(
+            f"{op}: key_cache and value_cache must have the same shape [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if head_dim != cache_head_dim:
+        raise GraftInputError(f"{op}: head_dim of query ({head_dim}) and the caches ({cache_head_dim}) differ")
+    if block_size < 1:
+        raise GraftInputError(f"{op}: block_size (key_cache.shape[1]) must be >= 1")
+    _check_heads(op, "query", num_heads, num_kv_heads)
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise GraftInputError(
+            f"{op}: block_tables has {block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries; "
+            f"both must equal num_seqs={num_seqs}"
+        )
+    splits = _as_int("num_splits", num_splits, op)
+    if splits < 0:
+        raise GraftInputError(f"{op}: num_splits must be >= 0 (0 = choose automatically), got {splits}")
+    _check_scale(op, softmax_scale)
+    if num_seqs and _can_read_values(seq_lens):
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        capacity = block_tables.shape[1] * block_size
+        if lo < 0 or hi > capacity:
+            raise GraftInputError(
+                f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
+            )
+
+
+# --------------------------------------------------------------------------- ops and entry points
+
+OPS = [
+    OpSpec(
+        name="attention.prefill",
+        family="attention",
+        signature=(
+            "prefill(q[Tq,H,D], k[Tk,KVH,D], v[Tk,KVH,D], cu_seqlens_q[B+1] int32, cu_seqlens_k[B+1] int32, "
+            "max_seqlen_q: int, max_seqlen_k: int, causal: bool = False, softmax_scale: float | None = None) "
+            "-> [Tq,H,D]"
+        ),
+        reference=prefill_reference,
+        description="flash-attention forward over packed variable-length sequences (causal bottom-right, GQA)",
+        validate=validate_prefill,
+        dtypes=FLOAT_DTYPES,
+    ),
+    OpSpec(
+        name="attention.decode_paged",
+        family="attention",
+        signature=(
+            "decode_paged(query[N,H,D], key_cache[NB,BS,KVH,D], value_cache[NB,BS,KVH,D], "
+            "block_tables[N,MB] int32, seq_lens[N] int32, softmax_scale: float | None = None, "
+            "num_splits: int = 0) -> [N,H,D]"
+        ),
+        reference=decode_paged_reference,
+        description="single-token decode attention over a paged KV cache (vLLM layout, GQA, split-K)",
+        validate=validate_decode_paged,
+        dtypes=FLOAT_DTYPES,
+    ),
+]
+
+
+def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    """Varlen flash-attention forward; see the module docstring for the layout."""
+    return call(
+        "attention.prefill", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale,
+    )
+
+
+def prefill_padded(q, k, v, causal=False, softmax_scale=None):
+    """Equal-length batch layout: q [B, Sq, H, D], k/v [B, Sk, KVH, D] -> [B, Sq, H, D].
+
+    A thin view over the varlen op (no copies when the inputs are contiguous).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(f"attention.prefill_padded: {name}", t, ndim=4)
+    if k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2]:
+        raise GraftInputError(
+            f"attention.prefill_padded: batch/sequence dims differ: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    batch, sq = q.shape[:2]
+    sk = k.shape[1]
+    cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    out = prefill(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, sq, sk, causal, softmax_scale)
+    return out.view(q.shape)
+
+
+def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    """Paged-KV decode attention; see the module docstring for the layout."""
+    return call(
+        "attention.decode_paged", query, key_cache, value_cache, block_tables, seq_lens,
+        softmax_scale=softmax_scale, num_splits=num_splits,
+    )
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def _randn(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def make_prefill_inputs(seqlens_q, seqlens_k, num_heads, num_kv_heads, head_dim, causal, device, dtype, gen):
+    """Packed inputs for the given per-sequence lengths (deterministic in ``gen``)."""
+    total_q, total_k = sum(seqlens_q), sum(seqlens_k)
+    q = _randn((total_q, num_heads, head_dim), dtype, device, gen)
+    k = _randn((total_k, num_kv_heads, head_dim), dtype, device, gen)
+    v = _randn((total_k, num_kv_heads, head_dim), dtype, device, gen)
+    cu_q = torch.tensor([0] + list(_cumsum(seqlens_q)), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(_cumsum(seqlens_k)), dtype=torch.int32, device=device)
+    args = (q, k, v, cu_q, cu_k, max(seqlens_q, default=0), max(seqlens_k, default=0))
+    return args, {"causal": causal}
+
+
+def make_decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, device, dtype, gen, num_splits=0,
+                       spare_blocks=3):
+    """A paged cache with every sequence's blocks scattered at random physical positions."""
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    max_blocks = max(max(blocks_per_seq, default=0), 1)
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    key_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
+    value_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, device, gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    # Unused table entries point at arbitrary (valid) blocks: kernels must not read them.
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = perm[used : used + nb].to(torch.int32)
+        used += nb
+    query = _randn((len(seq_lens), num_heads, head_dim), dtype, device, gen)
+    lens = torch.tensor(list(seq_lens), dtype=torch.int32)
+    args = (query, key_cache, value_cache, block_tables.to(device), lens.to(device))
+    return args, {"num_splits": num_splits}
+
+
+def _cumsum(values):
+    total = 0
+    for x in values:
+        total += x
+        yield total
+
+
+def _prefill_flops(args, kwargs):
+    q, _, _, cu_q, cu_k = args[:5]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    sq = torch.diff(cu_q).tolist()
+    sk = torch.diff(cu_k).tolist()
+    pairs = 0
+    for a, b in zip(sq, sk):
+        if kwargs.get("causal"):
+            # visible keys of row i: clamp(i + b - a + 1, 0, b)
+            pairs += sum(min(max(i + b - a + 1, 0), b) for i in range(a))
+        else:
+            pairs += a * b
+    return 4.0 * pairs * num_heads * head_dim  # QK^T and PV, 2 flops per MAC
+
+
+def _decode_flops(args, kwargs):
+    query, _, _, _, seq_lens = args
+    return 4.0 * float(seq_lens.sum()) * query.shape[1] * query.shape[2]
+
+
+def _prefill_case(name, seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal, tags=frozenset({"quick"})):
+    return OpCase(
+        op="attention.prefill",
+        name=name,
+        make_inputs=lambda device, dtype, gen: make_prefill_inputs(
+            seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal, device, dtype, gen
+        ),
+        tags=tags,
+        flops=_prefill_flops,
+    )
+
+
+def _decode_case(name, seq_lens, heads, kv_heads, head_dim, block_size, num_splits=0, tags=frozenset({"quick"})):
+    return OpCase(
+        op="attention.decode_paged",
+        name=name,
+        make_inputs=lambda device, dtype, gen: make_decode_inputs(
+            seq_lens, heads, kv_heads, head_dim, block_size, device, dtype, gen, num_splits
+        ),
+        tags=tags,
+        flops=_decode_flops,
+    )
+
+
+_GPU = frozenset({"gpu"})
+CASES = [
+    _prefill_case("b3_ragged_h4_kv2_d64_causal", [1, 33, 7], [1, 33, 7], 4, 2, 64, True),
+    _prefill_case("b3_ragged_h2_kv2_d128", [17, 5, 40], [17, 5, 40], 2, 2, 128, False),
+    _prefill_case("b2_q_lt_k_mqa_d64_causal", [5, 1], [37, 20], 4, 1, 64, True),
+    _prefill_case("b3_empty_seq_h2_d64_causal", [9, 0, 4], [9, 0, 4], 2, 1, 64, True),
+    _decode_case("n4_odd_lens_h4_kv2_d64_bs16", [1, 17, 32, 45], 4, 2, 64, 16),
+    _decode_case("n3_zero_len_h4_kv1_d128_bs8_split3", [0, 9, 70], 4, 1, 128, 8, num_splits=3),
+    _prefill_case("b8_s2048_h32_kv8_d128_causal", [2048] * 8, [2048] * 8, 32, 8, 128, True, _GPU),
+    _prefill_case("b8_s2048_h32_kv8_d128", [2048] * 8, [2048] * 8, 32, 8, 128, False, _GPU),
+    _prefill_case("b4_ragged_h32_kv8_d64_causal", [4000, 1000, 3000, 129], [4000, 1000, 3000, 129], 32, 8, 64, True,
+                  _GPU),
+    _decode_case("n64_ctx4096_h32_kv8_d128_bs16", [4096] * 64, 32, 8, 128, 16, tags=_GPU),
+    _decode_case("n8_ctx32768_h32_kv8_d128_bs16", [32768] * 8, 32, 8, 128, 16, tags=_GPU),
+]
