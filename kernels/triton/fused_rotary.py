@@ -1,0 +1,117 @@
+"""Triton rotary position embedding (``fused.rotary_embedding``), functional.
+
+One launch covers q and k: grid (tokens, q_heads + k_heads), one program per
+(token, head). Each program loads its token's cos/sin row once, rotates the
+``rot_dim/2`` pairs (neox: element i with i + rot_dim/2; GPT-J: 2i with 2i+1) in
+fp32 and copies the pass-through tail of a partially rotated head.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import define_op
+from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.registry import Implementation
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
+    num_q_heads, num_k_heads, q_stride, k_stride, cache_stride, head_size, half,
+    IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    m = i < half
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * cache_stride + half + i, mask=m, other=0.0).to(tl.float32)
+    if h < num_q_heads:
+        src = q_ptr + t * q_stride + h * head_size
+        dst = q_out_ptr + (t * num_q_heads + h) * head_size
+    else:
+        kh = h - num_q_heads
+        src = k_ptr + t * k_stride + kh * head_size
+        dst = k_out_ptr + (t * num_k_heads + kh) * head_size
+    if IS_NEOX:
+        i1 = i
+        i2 = i + half
+    else:
+        i1 = 2 * i
+        i2 = 2 * i + 1
+    x1 = tl.load(src + i1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + i2, mask=m, other=0.0).to(tl.float32)
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(dst + i1, (x1 * cos - x2 * sin).to(out_ty), mask=m)
+    tl.store(dst + i2, (x2 * cos + x1 * sin).to(out_ty), mask=m)
+    if BLOCK_PASS > 0:
+        j = 2 * half + tl.arange(0, BLOCK_PASS)
+        mj = j < head_size
+        tl.store(dst + j, tl.load(src + j, mask=mj, other=0.0), mask=mj)
+
+
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """[T, H*D] or [T, H, D] -> [T, H*D] with contiguous heads (a view when possible)."""
+    t2 = t.reshape(t.shape[0], -1)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
+    cos_sin_cache: torch.Tensor, is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = positions.numel()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q2, k2 = _token_rows(q), _token_rows(k)
+    num_q_heads, num_k_heads = q2.shape[1] // head_size, k2.shape[1] // head_size
+    if tokens == 0 or num_q_heads + num_k_heads == 0:
+        return q_out, k_out
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    half = cache.shape[1] // 2
+    rest = head_size - 2 * half
+    _rotary_kernel[(tokens, num_q_heads + num_k_heads)](
+        positions.reshape(-1), q2, k2, cache, q_out, k_out,
+        num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half,
+        IS_NEOX=is_neox,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_PASS=triton.next_power_of_2(rest) if rest > 0 else 0,
+        num_warps=1 if head_size <= 128 else 2,
+    )
+    return q_out, k_out
+
+
+def _rotary_fake(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
+    cos_sin_cache: torch.Tensor, is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+rotary_op = define_op("fused_rotary_embedding_triton", _rotary, fake=_rotary_fake)
+
+
+def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
+    """fused.rotary_embedding; a missing k travels as an empty [T, 0] tensor through the custom op."""
+    k_in = k if k is not None else q.new_empty((q.shape[0], 0))
+    q_out, k_out = rotary_op(positions, q, k_in, int(head_size), cos_sin_cache, bool(is_neox))
+    return q_out, (k_out if k is not None else None)
+
+
+def register(registry) -> None:
+    registry.add_impl(
+        Implementation(
+            op="fused.rotary_embedding",
+            backend="triton",
+            fn=rotary_embedding,
+            description="Triton rotary embedding, q and k in one launch (neox/GPT-J, partial rotary)",
+            devices=triton_devices(),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            available=triton_unavailable,
+            custom_op=rotary_op,
+        )
+    )
