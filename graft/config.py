@@ -150,9 +150,12 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
             f"GRAFT_BACKENDS is set but empty; give a comma-separated list of: {', '.join(sorted(valid_backends))}"
         )
     if raw_global is None:
+        # Backends of installed plugins that the default does not name still rank above the
+        # torch reference: installing a vendor plugin is enough to make it active.
         default = tuple(default_priority or DEFAULT_BACKEND_PRIORITY)
-        global_priority = [b for b in default if b in valid_backends]
-        global_priority += sorted(valid_backends - set(global_priority))
+        global_priority = [b for b in default if b in valid_backends and b != REFERENCE_BACKEND]
+        global_priority += sorted(valid_backends - set(global_priority) - {REFERENCE_BACKEND})
+        global_priority.append(REFERENCE_BACKEND)
     else:
         global_priority = validate_backends("GRAFT_BACKENDS", split_list(raw_global), valid_backends)
 

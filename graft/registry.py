@@ -63,7 +63,7 @@ class Implementation:
     op: str
     backend: str
     fn: Callable
-    provider: str = "graft"
+    provider: str = ""  # filled with the registering plugin's name by the plugin host
     description: str = ""
     devices: frozenset = frozenset({"cpu", "cuda"})
     dtypes: frozenset | None = None  # None: any dtype the op accepts

@@ -1,0 +1,53 @@
+"""`graft info`: text and JSON output, configuration errors, typo warnings."""
+import json
+import os
+import subprocess
+import sys
+
+
+def graft(*args, env=None):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    base.update(env or {})
+    return subprocess.run([sys.executable, "-m", "graft", *args], capture_output=True, text=True, env=base, timeout=180)
+
+
+def test_info_json_lists_builtin_plugins_and_every_op():
+    proc = graft("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    names = {p["name"]: p for p in report["plugins"]}
+    assert {"torch", "triton", "hip"} <= set(names)
+    assert all(p["version"] == "0.1.0" for n, p in names.items() if p["distribution"] == "graft")
+    assert report["device"]["type"] in {"cpu", "cuda"}
+    for op in report["ops"]:
+        assert op["selected"] is not None, op
+        backends = [c["backend"] for c in op["candidates"]]
+        assert backends[-1] == "torch" or "torch" in backends
+        for c in op["candidates"]:
+            assert c["usable"] or c["reason"], c  # every skipped candidate says why
+
+
+def test_info_text_shows_reasons_and_environment():
+    proc = graft("info", env={"GRAFT_BACKENDS": "torch", "GRAFT_ATENTION": "triton"})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "GRAFT_BACKENDS=torch" in out
+    assert "GRAFT_ATENTION is set but nothing reads it" in out
+    assert "plugins:" in out and "ops (selected implementation marked '>')" in out
+
+
+def test_invalid_env_value_exits_2_with_valid_names():
+    proc = graft("info", env={"GRAFT_BACKENDS": "triton,cudaa"})
+    assert proc.returncode == 2
+    assert "unknown backend(s) 'cudaa'" in proc.stderr and "valid backends are:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_op_and_dtype_are_usage_errors():
+    assert "unknown op 'nope.op'" in graft("info", "--op", "nope.op").stderr
+    assert "is not a torch dtype" in graft("info", "--dtype", "float17").stderr
+
+
+def test_no_command_prints_help():
+    proc = graft()
+    assert proc.returncode == 2 and "info" in proc.stdout
