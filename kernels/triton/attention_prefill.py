@@ -1,0 +1,211 @@
+"""Triton flash-attention forward over packed variable-length sequences.
+
+Grid: (query tiles of the longest sequence, batch, query heads). Each program owns
+BLOCK_M query rows of one head of one sequence, streams that sequence's keys/values in
+BLOCK_N tiles and keeps an online softmax (running max ``m``, running sum ``l``, fp32
+accumulator) so the full score matrix never exists. Programs whose tile starts past
+their sequence's end return at once (the grid is sized by ``max_seqlen_q``).
+
+Causal masks are bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q),
+so a causal tile stops loading keys past its last row's horizon. Inputs may be strided
+views (e.g. q/k/v sliced out of a fused qkv projection): every stride is passed in.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import define_op
+from graft.kernels.triton._attention_common import (
+    LOG2E,
+    NEG_BIG,
+    dot_f32,
+    dot_flags,
+    head_dim_block,
+    head_dim_reason,
+    resolve_scale,
+)
+from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.registry import Implementation
+
+OP = "attention.prefill"
+
+# BLOCK_M query rows x BLOCK_N keys per step, for head dims up to 128 in 16-bit types.
+TILES = {
+    "hopper": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "blackwell": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "ampere": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "cdna3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+    "default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    # Small tiles in the interpreter: fast, and short test sequences still span several tiles.
+    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
+}
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, CuSeqlensQ, CuSeqlensK,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    qk_scale,  # softmax_scale * log2(e)
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per kv head
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(CuSeqlensQ + seq).to(tl.int64)
+    seqlen_q = tl.load(CuSeqlensQ + seq + 1).to(tl.int64) - q_start
+    first_row = tile * BLOCK_M
+    if first_row >= seqlen_q:
+        return
+    k_start = tl.load(CuSeqlensK + seq).to(tl.int64)
+    seqlen_k = tl.load(CuSeqlensK + seq + 1).to(tl.int64) - k_start
+    kv_head = head // GROUP
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seqlen_q
+    d_ok = offs_d < head_dim
+
+    q_ptrs = Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    shift = seqlen_k - seqlen_q  # bottom-right alignment of the causal diagonal
+    kv_end = seqlen_k
+    if CAUSAL:
+        kv_end = tl.minimum(seqlen_k, first_row + BLOCK_M + shift)
+
+    k_base = K + k_start * stride_kt + kv_head * stride_kh
+    v_base = V + k_start * stride_vt + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, kv_end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < seqlen_k
+        k_t = tl.load(
+            k_base + cols[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        scores = dot_f32(q, k_t, UPCAST, PRECISION) * qk_scale
+        visible = col_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + shift)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+            mask=col_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: acc is 0, output 0
+    out = acc / l_safe[:, None]
+    o_ptrs = Out + (q_start + rows)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tiles(device: torch.device, block_d: int, dtype: torch.dtype) -> dict:
+    cfg = tile_config(TILES, device)
+    if device.type == "cuda":
+        # Keep the K/V tiles within shared memory for wide heads and 4-byte types.
+        if block_d > 128:
+            cfg["BLOCK_M"], cfg["BLOCK_N"] = min(cfg["BLOCK_M"], 64), min(cfg["BLOCK_N"], 32)
+        if dtype == torch.float32:
+            cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+            cfg["num_stages"] = min(cfg["num_stages"], 2)
+    return cfg
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+) -> torch.Tensor:
+    total_q, num_heads, head_dim = q.shape
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        return out.zero_()
+    block_d = head_dim_block(head_dim)
+    cfg = _tiles(q.device, block_d, q.dtype)
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)
+    _prefill_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        softmax_scale * LOG2E,
+        head_dim,
+        GROUP=num_heads // k.shape[1],
+        CAUSAL=causal,
+        BLOCK_D=block_d,
+        **dot_flags(q.dtype),
+        **cfg,
+    )
+    return out
+
+
+def _prefill_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+prefill_op = define_op("attention_prefill_triton", _prefill, fake=_prefill_fake)
+
+
+def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    """The op's signature on top of the custom op (which needs a concrete float scale)."""
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    return prefill_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
+
+
+def check(q, k, v, *args, **kwargs):
+    return head_dim_reason(q.shape[-1])
+
+
+def register(registry) -> None:
+    registry.add_impl(
+        Implementation(
+            op=OP,
+            backend="triton",
+            fn=prefill,
+            description="Triton flash-attention forward (varlen, causal bottom-right, GQA)",
+            devices=triton_devices(),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            available=triton_unavailable,
+            check=check,
+            custom_op=prefill_op,
+        )
+    )
