@@ -1,0 +1,236 @@
+"""Triton kernels for ``moe.fused_experts``: grouped expert GEMMs over aligned token blocks.
+
+Pipeline (four launches, no host synchronisation, so it is CUDA-graph safe):
+
+1. align: ``moe.align_block_size``'s kernels group the T*k (token, slot) pairs by expert,
+   padded to BLOCK_M, so every M-block of rows belongs to a single expert.
+2. ``_gate_up_kernel``: per (M-block, N-tile), ``gate`` and ``up`` tiles of
+   ``x @ w13[e].T`` in two fp32 accumulators; the epilogue applies ``silu(gate) * up``
+   (SiLU-and-mul fused into GEMM 1, no [T*k, 2I] buffer) and stores [T*k, I] rows
+   indexed by flattened slot, in the activation dtype.
+3. ``_down_kernel``: ``act @ w2[e].T`` per slot row, multiplied by the slot's routing
+   weight, stored in fp32 per slot ([T*k, H]).
+4. ``_combine_kernel``: out[t] = sum over j = 0..k-1 of the slot rows, in slot order, in
+   fp32. A fixed-order reduction instead of atomic adds: results are bit-reproducible
+   run to run.
+
+Blocks past ``num_tokens_post_padded`` (the grid is sized from the static upper bound)
+exit at once; padding rows (sentinel ids) are masked out of loads and stores.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import custom_op_name, define_op
+from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton.moe_align import align_block_size_launch
+from graft.platform import triton_interpret
+from graft.registry import Implementation
+
+OP = "moe.fused_experts"
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+# "small": few rows per expert (decode), where a tall M tile would be mostly padding;
+# "large": prefill. BLOCK_N is the output tile of GEMM 2; GEMM 1 computes BLOCK_N // 2
+# gate columns and BLOCK_N // 2 up columns, the same accumulator footprint.
+TILES = {
+    "hopper": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    },
+    "cdna3": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2},
+    },
+    "default": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+    },
+    # The interpreter costs per tile op, not per FLOP: few programs, small M padding.
+    "interpreter": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1},
+        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1},
+    },
+}
+SMALL_ROWS_PER_EXPERT = 32  # below this average, use the "small" tiles
+COMBINE_BLOCK_H = 1024
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:
+        # Interpreter only: its tl.dot on bf16 operands returns garbage, while fp32 is
+        # exact, so bf16 tiles are widened first. Compiled GPU code keeps the native bf16 dot.
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    elif IEEE:
+        # fp32 inputs: full-precision dot instead of the TF32 default, to match the reference.
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M: tl.constexpr):
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return slot, slot < num_slots, expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    num_slots, top_k, hidden_size, inter, num_n_tiles,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_as, stride_ai,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    # N tiles vary fastest: neighbouring programs share the same token rows.
+    pid = tl.program_id(0)
+    pid_m = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    token = (slot // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    x_rows = x_ptr + token[:, None] * stride_xt
+    w_base = w13_ptr + expert * stride_we
+    gate_cols = w_base + cols[None, :].to(tl.int64) * stride_wn
+    up_cols = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden_size
+        x = tl.load(x_rows + ks[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        acc_gate = _mma(x, w_gate, acc_gate, UPCAST, IEEE)
+        acc_up = _mma(x, w_up, acc_up, UPCAST, IEEE)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU-and-mul epilogue
+    out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, slot_out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    num_slots, top_k, hidden_size, inter, num_n_tiles,
+    stride_as, stride_ai, stride_we, stride_wh, stride_wi, stride_os, stride_oh, stride_rt, stride_rk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    slot64 = slot.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    a_rows = act_ptr + slot64[:, None] * stride_as
+    w_cols = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wh
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(a_rows + ks[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _mma(a, w, acc, UPCAST, IEEE)
+    route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
+    acc = acc * route_w.to(tl.float32)[:, None]
+    out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(slot_out_ptr, out_ptr, hidden_size, top_k, stride_ot, stride_oh, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < hidden_size
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(top_k):  # fixed slot order: deterministic, no atomics
+        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def launch_config(num_slots: int, num_experts: int, device) -> dict:
+    table = tile_config(TILES, device)
+    return dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
+
+
+def _fused_experts(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+) -> torch.Tensor:
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    device = hidden.device
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
+    if num_tokens == 0:
+        return out
+    num_slots = num_tokens * top_k
+    cfg = launch_config(num_slots, num_experts, device)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
+    max_blocks = expert_ids.numel()
+    act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=device)
+    slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
+    flags = dict(
+        UPCAST=triton_interpret() and hidden.dtype == torch.bfloat16,
+        IEEE=hidden.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    gate_n = block_n // 2
+    n_tiles = triton.cdiv(inter, gate_n)
+    _gate_up_kernel[(max_blocks * n_tiles,)](
+        hidden, w13, act, sorted_ids, expert_ids, post_pad,
+        num_slots, top_k, hidden_size, inter, n_tiles,
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+        act.stride(0), act.stride(1),
+        BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, **flags,
+    )
+    n_tiles = triton.cdiv(hidden_size, block_n)
+    _down_kernel[(max_blocks * n_tiles,)](
+        act, w2, slot_out, topk_weights, sorted_ids, expert_ids, post_pad,
+        num_slots, top_k, hidden_size, inter, n_tiles,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        slot_out.stride(0), slot_out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+    )
+    block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden_size))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        slot_out, out, hidden_size, top_k, out.stride(0), out.stride(1), BLOCK_H=block_h,
+    )
+    return out
+
+
+def _fused_experts_fake(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape)
+
+
+fused_experts_triton = define_op(custom_op_name(OP, "triton"), _fused_experts, fake=_fused_experts_fake)
+
+
+def _call(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, activation)
+
+
+def register(registry) -> None:
+    registry.add_impl(Implementation(
+        op=OP, backend="triton", fn=_call,
+        description="aligned grouped GEMMs, SiLU-and-mul fused into GEMM 1, weighted GEMM 2, ordered combine",
+        devices=triton_devices(), dtypes=DTYPES,
+        available=triton_unavailable, custom_op=fused_experts_triton,
+    ))
