@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for graft: a virtual environment in .venv with the CPU build of
+# torch, graft itself (editable) and the frameworks it integrates with.
+#   bash ci/setup.sh            # then: .venv/bin/graft info
+# Safe to re-run; VENV=path overrides the location.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q -c ci/constraints.txt)
+"$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+# The CPU build first: nothing below may replace it with a CUDA one (see ci/constraints.txt).
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[test]'
+# DeepSpeed: no op pre-building; on CPU it picks its CPU accelerator and gloo.
+DS_BUILD_OPS=0 "${PIP[@]}" deepspeed==0.19.8
+# megatron-core and vLLM pin other torch versions in their metadata; install them without
+# dependencies, then vLLM's CPU-importable runtime requirements (pinned list).
+"${PIP[@]}" --no-deps megatron-core==0.16.1 vllm==0.33.0
+if [ -f ci/requirements-vllm.txt ]; then
+    "${PIP[@]}" -r ci/requirements-vllm.txt
+fi
+"$VENV/bin/python" - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, (
+    f"expected the CPU build of torch 2.13.0, got {torch.__version__} (cuda={torch.version.cuda})")
+print(f"graft environment ready: torch {torch.__version__} (CPU build)")
+PY
