@@ -1,0 +1,272 @@
+"""Triton paged-KV decode attention (one query token per sequence), with split-K.
+
+Grid: (sequences, kv heads, splits). A program handles every query head of one GQA
+group at once (the group's rows, padded to >= 16 for tl.dot, share each K/V tile), and
+one contiguous slice of the sequence's context: split ``s`` of ``S`` covers tokens
+``[s * chunk, (s + 1) * chunk)`` with ``chunk = ceil(seq_len / S)`` rounded up to whole
+tiles. Tokens are gathered through the block table one tile of BLOCK_N at a time, so
+any block size works and the caches may be strided views (vLLM 0.33 hands the kernel
+``kv_cache.transpose(1, 2).split(head_dim, -1)``).
+
+With one split the program normalises and writes the output directly. With several
+(flash-decoding: long contexts and few sequences still fill the GPU), each split
+writes its unnormalised accumulator and its running max/sum, and a second kernel
+rescales the partials to a common max and combines them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import define_op
+from graft.kernels.triton._attention_common import (
+    LOG2E,
+    NEG_BIG,
+    dot_f32,
+    dot_flags,
+    head_dim_block,
+    head_dim_reason,
+    resolve_scale,
+)
+from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.registry import Implementation
+
+OP = "attention.decode_paged"
+
+TILES = {
+    "hopper": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "blackwell": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "ampere": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "cdna3": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    "interpreter": {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
+}
+
+# Split heuristic: aim for this many programs per streaming multiprocessor / compute unit,
+# never give a split fewer than MIN_SPLIT_TOKENS tokens, and cap the partial buffers.
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KCache, VCache, BlockTables, SeqLens, Out, PartAcc, PartMax, PartSum,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_os, stride_oh, stride_od,
+    qk_scale,  # softmax_scale * log2(e)
+    head_dim,
+    block_size,
+    num_splits,
+    GROUP: tl.constexpr,  # query heads per kv head
+    SINGLE_PASS: tl.constexpr,  # num_splits == 1: write the normalised output directly
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < head_dim
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        Q + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    table = BlockTables + seq.to(tl.int64) * stride_bts
+    k_base = KCache + kv_head * stride_kh
+    v_base = VCache + kv_head * stride_vh
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + offs_n
+        tok_ok = tokens < end
+        block = tl.load(table + (tokens // block_size) * stride_btb, mask=tok_ok, other=0).to(tl.int64)
+        slot = tokens % block_size
+        k_t = tl.load(
+            k_base + block[None, :] * stride_kb + slot[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+            mask=tok_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        scores = dot_f32(q, k_t, UPCAST, PRECISION) * qk_scale
+        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+            mask=tok_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
+        m_i = m_new
+
+    if SINGLE_PASS:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0: acc is 0, output 0
+        o_ptrs = Out + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # Partials are contiguous fp32: [num_seqs, num_heads, num_splits(, BLOCK_D)].
+        row = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(PartMax + row, m_i, mask=g_ok)
+        tl.store(PartSum + row, l_i, mask=g_ok)
+        tl.store(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    PartAcc, PartMax, PartSum, Out,
+    stride_os, stride_oh, stride_od,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    # Empty splits stored NEG_BIG/0/0; padding lanes get -inf so their weight is exactly 0.
+    m = tl.load(PartMax + rows, mask=s_ok, other=float("-inf"))
+    l = tl.load(PartSum + rows, mask=s_ok, other=0.0)
+    acc = tl.load(PartAcc + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.exp2(m - m_all)
+    total = tl.sum(l * weight, 0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(acc * weight[:, None], 0) / total
+    o_ptrs = Out + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: no parallelism to fill
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the device, each split >= MIN_SPLIT_TOKENS.
+
+    ``max_context`` is the block-table capacity (max_blocks_per_seq * block_size), an upper
+    bound known without reading seq_lens back from the device.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), programs)
+    by_length = max(1, triton.cdiv(max_context, MIN_SPLIT_TOKENS))
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if num_splits <= 0:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, query.device)
+    group = num_heads // num_kv_heads
+    block_d = head_dim_block(head_dim)
+    cfg = tile_config(TILES, query.device)
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
+        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused by the single-pass kernel
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
+        softmax_scale * LOG2E,
+        head_dim,
+        block_size,
+        num_splits,
+        GROUP=group,
+        SINGLE_PASS=num_splits == 1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        **dot_flags(query.dtype),
+        **cfg,
+    )
+    if num_splits > 1:
+        _combine_kernel[(num_seqs, num_heads)](
+            part_acc, part_max, part_sum, out,
+            *out.stride(),
+            head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=cfg["num_warps"],
+        )
+    return out
+
+
+def _decode_fake(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+decode_op = define_op("attention_decode_paged_triton", _decode, fake=_decode_fake)
+
+
+def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    """The op's signature on top of the custom op (which needs a concrete float scale)."""
+    scale = resolve_scale(softmax_scale, query.shape[-1])
+    return decode_op(query, key_cache, value_cache, block_tables, seq_lens, scale, int(num_splits))
+
+
+def check(query, *args, **kwargs):
+    return head_dim_reason(query.shape[-1])
+
+
+def register(registry) -> None:
+    registry.add_impl(
+        Implementation(
+            op=OP,
+            backend="triton",
+            fn=decode_paged,
+            description="Triton paged-KV decode attention (GQA, split-K flash-decoding)",
+            devices=triton_devices(),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            available=triton_unavailable,
+            check=check,
+            custom_op=decode_op,
+        )
+    )
