@@ -1,0 +1,192 @@
+"""One-shot and two-shot all-reduce: the small-message technique of custom all-reduces.
+
+One-shot: every rank reads *all* peers' inputs and reduces them locally. One step of
+latency and ``(n-1) * size`` bytes in per rank: the winner for small messages, where a
+ring all-reduce's ``2(n-1)`` latency-bound steps dominate.
+Two-shot: rank r reads chunk r of every peer and reduces it (a reduce-scatter), then
+every rank reads all reduced chunks (an all-gather). Two steps, ``2(n-1)/n * size``
+bytes per rank: better than one-shot once bandwidth matters, still fewer steps than a
+ring, so it covers the middle sizes until the library collective's pipelining wins.
+
+Where it runs:
+
+* GPU (NCCL group): on torch's symmetric memory (``torch.distributed._symmetric_memory``:
+  buffers every rank of the group can load/store directly, plus signal pads for the
+  barriers), through ``torch.ops.symm_mem.one_shot_all_reduce_copy`` /
+  ``two_shot_all_reduce_out``. That is where these algorithms are faster than NCCL: one
+  kernel, no proxy thread, no protocol handshakes. Sum only; needs peer access between all
+  GPUs of the group (NVLink/xGMI, one node). If the rendezvous fails (no P2P, other
+  nodes, old driver) the check returns the reason and the library all-reduce serves.
+* CPU (gloo): the same data flow over library primitives (one-shot = all-gather of the
+  inputs + local reduction; two-shot = all-to-all of chunks + local reduction +
+  all-gather). Not faster than gloo's own all-reduce in general (see the benchmark); the
+  point is a *deterministic* result: the reduction is a fixed rank-order loop in fp32
+  (half types rounded once), so one-shot and two-shot give the same bits on every rank.
+  On the CPU they are therefore off unless asked for (``GRAFT_COLLECTIVES_ALL_REDUCE=oneshot``
+  or ``twoshot``), with the reason in the selection log.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from graft.config import split_list
+from graft.custom_ops import define_op
+from graft.registry import Implementation
+
+from ._common import (
+    backend_name,
+    max_world,
+    message_bytes,
+    oneshot_max_bytes,
+    padded_flat,
+    reduce_rows,
+    resolve_group,
+    twoshot_max_bytes,
+)
+
+ALGORITHMS = ("oneshot", "twoshot")
+
+
+# ---------------------------------------------------------------------------- CPU / generic
+def oneshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
+    ws = dist.get_world_size(pg)
+    flat = x.reshape(-1).contiguous()
+    gathered = flat.new_empty(ws * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=pg)
+    return reduce_rows(gathered.view(ws, -1), reduce_op, x.dtype).view(x.shape)
+
+
+def twoshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
+    ws = dist.get_world_size(pg)
+    flat, chunk = padded_flat(x, ws)
+    # Step 1: rank r receives chunk r of every peer (row p of `mine` = peer p's chunk r).
+    mine = torch.empty_like(flat)
+    dist.all_to_all_single(mine, flat, group=pg)
+    reduced = reduce_rows(mine.view(ws, chunk), reduce_op, x.dtype).contiguous()
+    # Step 2: every rank collects all reduced chunks.
+    out = torch.empty_like(flat)
+    dist.all_gather_into_tensor(out, reduced, group=pg)
+    return out[: x.numel()].view(x.shape)
+
+
+# ---------------------------------------------------------------------------- GPU symmetric memory
+_symm_buffers: dict = {}  # (group name, device index) -> (buffer or None, reason or None)
+
+
+def _symm_buffer(pg, device: torch.device):
+    """The group's peer-mapped scratch buffer (allocated + rendezvous'd once, collectively)."""
+    key = (pg.group_name, device.index)
+    if key not in _symm_buffers:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(max(oneshot_max_bytes(), twoshot_max_bytes()), dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(buf, pg.group_name)
+            _symm_buffers[key] = (buf, None)
+        except Exception as exc:  # no P2P, multi-node group, unsupported build...
+            _symm_buffers[key] = (None, f"symmetric memory unavailable ({type(exc).__name__}: {exc})")
+    return _symm_buffers[key]
+
+
+def _symm_all_reduce(x: torch.Tensor, reduce_op: str, pg, algorithm: str) -> torch.Tensor:
+    buf, reason = _symm_buffer(pg, x.device)
+    if buf is None:  # the check prevents this; direct callers get the reason
+        raise RuntimeError(reason)
+    flat = x.reshape(-1).contiguous()
+    staging = buf[: message_bytes(flat)].view(x.dtype)
+    if algorithm == "oneshot":
+        out = torch.ops.symm_mem.one_shot_all_reduce_copy(staging, flat, reduce_op, pg.group_name)
+    else:
+        staging.copy_(flat)
+        out = torch.empty_like(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_out(staging, reduce_op, pg.group_name, out)
+    return out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------- custom ops
+def _run(x: torch.Tensor, reduce_op: str, group_name: str, algorithm: str) -> torch.Tensor:
+    pg = resolve_group(group_name)
+    if x.device.type == "cuda":
+        return _symm_all_reduce(x, reduce_op, pg, algorithm)
+    fn = oneshot_generic if algorithm == "oneshot" else twoshot_generic
+    return fn(x, reduce_op, pg)
+
+
+def _oneshot(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return _run(x, reduce_op, group_name, "oneshot")
+
+
+def _twoshot(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return _run(x, reduce_op, group_name, "twoshot")
+
+
+def _fake(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+oneshot_op = define_op("collectives_all_reduce_oneshot", _oneshot, fake=_fake)
+twoshot_op = define_op("collectives_all_reduce_twoshot", _twoshot, fake=_fake)
+CUSTOM_OPS = {"oneshot": oneshot_op, "twoshot": twoshot_op}
+
+
+def all_reduce(x, group=None, op: str = "sum", algorithm: str = "oneshot"):
+    """Run one algorithm directly (tests, benchmark); normal code calls graft.ops.collectives.all_reduce."""
+    return CUSTOM_OPS[algorithm](x, op, resolve_group(group).group_name)
+
+
+# ---------------------------------------------------------------------------- selection
+def make_check(algorithm: str):
+    def check(x, group=None, op="sum"):
+        pg = resolve_group(group)
+        ws = dist.get_world_size(pg)
+        nbytes = message_bytes(x)
+        if ws > max_world():
+            return f"world size {ws} > {max_world()} (GRAFT_CUSTOM_ALLREDUCE_MAX_WORLD)"
+        low = oneshot_max_bytes() if algorithm == "twoshot" else -1
+        high = oneshot_max_bytes() if algorithm == "oneshot" else twoshot_max_bytes()
+        var = "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES" if algorithm == "oneshot" else "GRAFT_TWOSHOT_ALLREDUCE_MAX_BYTES"
+        if nbytes > high:
+            return f"message of {nbytes} bytes > {high} ({var}); the library collective serves large messages"
+        if nbytes <= low:
+            return f"message of {nbytes} bytes <= {low}: one-shot serves it"
+        if x.device.type == "cuda":
+            if "nccl" not in backend_name(pg):
+                return f"GPU tensor on a {backend_name(pg)} group (needs NCCL + symmetric memory)"
+            if op != "sum":
+                return f"reduce op {op!r}: the symmetric-memory kernels only sum"
+            _, reason = _symm_buffer(pg, x.device)
+            return reason
+        # CPU: correct and deterministic, but not faster than gloo's all-reduce (bench.py).
+        if not explicitly_requested(algorithm):
+            return (f"on the CPU (gloo) {algorithm} is not faster than the library all-reduce; "
+                    f"GRAFT_COLLECTIVES_ALL_REDUCE={algorithm} selects it (deterministic results)")
+        return None
+
+    return check
+
+
+def explicitly_requested(backend: str) -> bool:
+    """Does the priority variable in force for collectives.all_reduce name ``backend``?"""
+    for var in ("GRAFT_COLLECTIVES_ALL_REDUCE", "GRAFT_COLLECTIVES", "GRAFT_BACKENDS"):
+        if var in os.environ:
+            return backend in split_list(os.environ[var])
+    return False
+
+
+def register(registry) -> None:
+    for algorithm in ALGORITHMS:
+        registry.add_impl(
+            Implementation(
+                op="collectives.all_reduce",
+                backend=algorithm,
+                fn=lambda x, group=None, op="sum", _a=algorithm: all_reduce(x, group, op, _a),
+                description=f"{algorithm} all-reduce (GPU: symmetric memory; CPU: deterministic over gloo)",
+                devices=frozenset({"cpu", "cuda"}),
+                dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+                check=make_check(algorithm),
+                custom_op=CUSTOM_OPS[algorithm],
+            )
+        )
