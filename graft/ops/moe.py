@@ -312,7 +312,14 @@ def _fused_case(num_tokens, num_experts, top_k, hidden_size, inter, tags=("quick
         return make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter, device, dtype, gen, skip_expert)
 
     name = f"t{num_tokens}_e{num_experts}_k{top_k}_h{hidden_size}_i{inter}"
-    return OpCase("moe.fused_experts", name, make, tags=frozenset(tags), flops=fused_experts_flops)
+    return OpCase("moe.fused_experts", name, make, tags=frozenset(tags), flops=fused_experts_flops,
+                  atol=FUSED_EXPERTS_ATOL, reduction=lambda args, kwargs: max(args[0].shape[1], args[2].shape[2]))
+
+
+# Optimized kernels round the SiLU-and-mul activation to the input dtype before GEMM 2 (as
+# vLLM does: the second GEMM's operands are in that dtype), the reference keeps fp32: one
+# extra rounding propagated through GEMM 2, hence twice the output-rounding bound.
+FUSED_EXPERTS_ATOL = {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 
 
 CASES = [
