@@ -7,6 +7,7 @@ Ragged M, N and K edges are masked (out-of-range loads read 0).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -116,7 +117,7 @@ linear_op = define_op("gemm_linear_triton", _linear_2d, fake=_linear_2d_fake)
 def linear(x, weight, bias=None, activation="none"):
     """``gemm.linear`` on Triton: any leading dims of x are folded into M."""
     k, n = x.shape[-1], weight.shape[0]
-    y = linear_op(x.reshape(-1, k), weight, bias, activation)
+    y = linear_op(x.reshape(math.prod(x.shape[:-1]), k), weight, bias, activation)
     return y.reshape(*x.shape[:-1], n)
 
 

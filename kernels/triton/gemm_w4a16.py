@@ -9,6 +9,7 @@ group_size to be a multiple of 16 (the smallest tl.dot K); other group sizes fal
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -164,7 +165,7 @@ w4a16_op = define_op("gemm_w4a16_triton", _w4a16_2d, fake=_w4a16_2d_fake)
 
 def w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gptq"):
     """``gemm.w4a16`` on Triton: any leading dims of x are folded into M."""
-    y = w4a16_op(x.reshape(-1, x.shape[-1]), qweight, scales, qzeros, bias, group_size, format)
+    y = w4a16_op(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), qweight, scales, qzeros, bias, group_size, format)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
