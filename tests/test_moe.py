@@ -330,3 +330,14 @@ def test_cases_cover_quick_and_gpu_and_run_on_the_reference():
         ops[case.op].validate(*args, **kwargs)
         ops[case.op].reference(*args, **kwargs)
         assert case.flops(args, kwargs) >= 0
+
+
+def test_tile_tables_cover_every_arch_family(kernels):
+    routing, align, fused = kernels
+    for table in (routing.TILES, align.TILES, fused.TILES):
+        assert {"hopper", "cdna3", "default", "interpreter"} <= set(table)
+    for entry in fused.TILES.values():
+        for cfg in entry.values():
+            assert cfg["BLOCK_N"] % 32 == 0 and cfg["BLOCK_M"] >= 16 and cfg["BLOCK_K"] >= 16  # tl.dot minimums
+    cpu = fused.launch_config(64, 8, "cpu", torch.float32)
+    assert cpu == fused.TILES["interpreter"]["large"]

@@ -24,6 +24,7 @@ import triton.language as tl
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._moe_launch import on_device
 from graft.ops.moe import aligned_sizes
 from graft.registry import Implementation
 
@@ -32,8 +33,8 @@ OP = "moe.align_block_size"
 # elems: one-hot tile size (slots x padded experts) per program; blocks: expert_ids
 # entries written per step of the scan program.
 TILES = {
-    "hopper": {"elems": 16384, "blocks": 256, "num_warps": 4},
-    "cdna3": {"elems": 16384, "blocks": 256, "num_warps": 4},
+    "hopper": {"elems": 8192, "blocks": 256, "num_warps": 8},
+    "cdna3": {"elems": 8192, "blocks": 256, "num_warps": 8},
     "default": {"elems": 8192, "blocks": 128, "num_warps": 4},
     "interpreter": {"elems": 16384, "blocks": 256, "num_warps": 1},
 }
@@ -131,7 +132,8 @@ def align_block_size_launch(topk_ids: torch.Tensor, block_size: int, num_experts
 
 
 def _align(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return align_block_size_launch(topk_ids, block_size, num_experts)
+    with on_device(topk_ids.device):
+        return align_block_size_launch(topk_ids, block_size, num_experts)
 
 
 def _align_fake(topk_ids: torch.Tensor, block_size: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ import triton.language as tl
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._moe_launch import on_device
 from graft.kernels.triton.moe_align import align_block_size_launch
 from graft.platform import triton_interpret
 from graft.registry import Implementation
@@ -42,7 +43,7 @@ TILES = {
         "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     },
     "cdna3": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
         "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2},
     },
     "default": {
@@ -161,9 +162,15 @@ def _combine_kernel(slot_out_ptr, out_ptr, hidden_size, top_k, stride_ot, stride
     tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def launch_config(num_slots: int, num_experts: int, device) -> dict:
+def launch_config(num_slots: int, num_experts: int, device, dtype: torch.dtype) -> dict:
     table = tile_config(TILES, device)
-    return dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
+    cfg = dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
+    if dtype == torch.float32 and torch.device(device).type == "cuda":
+        # 4-byte tiles: halve K and cap the pipeline depth so the staged tiles still fit
+        # in shared memory (228 KB on Hopper, 64 KB LDS on CDNA3).
+        cfg["BLOCK_K"] = max(32, cfg["BLOCK_K"] // 2)
+        cfg["num_stages"] = min(cfg["num_stages"], 3)
+    return cfg
 
 
 def _fused_experts(
@@ -171,14 +178,20 @@ def _fused_experts(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
 ) -> torch.Tensor:
     num_tokens, hidden_size = hidden.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    device = hidden.device
-    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out
+    cfg = launch_config(num_tokens * topk_ids.shape[1], w13.shape[0], hidden.device, hidden.dtype)
+    with on_device(hidden.device):
+        return _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg)
+
+
+def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
+    num_tokens, hidden_size = hidden.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    cfg = launch_config(num_slots, num_experts, device)
+    device = hidden.device
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
     max_blocks = expert_ids.numel()

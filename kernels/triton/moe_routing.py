@@ -17,6 +17,7 @@ import triton.language as tl
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._moe_launch import on_device
 from graft.registry import Implementation
 
 OP = "moe.topk_routing"
@@ -90,11 +91,12 @@ def _topk_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool, sc
         return weights, ids
     block_t, block_e, num_warps = _launch_config(num_experts, device)
     grid = (triton.cdiv(num_tokens, block_t),)
-    _topk_routing_kernel[grid](
-        router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), router_logits.stride(1),
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize, num_warps=num_warps,
-    )
+    with on_device(device):
+        _topk_routing_kernel[grid](
+            router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0), router_logits.stride(1),
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize, num_warps=num_warps,
+        )
     return weights, ids
 
 
