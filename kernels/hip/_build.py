@@ -1,0 +1,198 @@
+"""Lazy build of graft's CUDA/HIP C++ kernels with ``torch.utils.cpp_extension``.
+
+The sources in ``csrc/`` are CUDA-flavoured C++. On an NVIDIA build of torch,
+``cpp_extension.load`` compiles them with nvcc; on a ROCm build it hipifies them
+first and compiles with hipcc. Nothing is compiled at import or registration: the
+first call of a hip implementation builds (or loads the cached build of) the
+extension. Where it cannot work — a CPU-only torch, no GPU, no compiler, a failed
+build — :func:`unavailable_reason` says why, so selection falls back with that
+reason and ``graft info`` shows it.
+
+The build lives under ``$GRAFT_CACHE_DIR/hip_ext/<key>`` (default
+``~/.cache/graft``), keyed by the sources, torch version and CUDA/HIP version, so an
+upgrade or a source change never reuses a stale binary. GPU architectures come from
+torch's own variables (``TORCH_CUDA_ARCH_LIST``, ``PYTORCH_ROCM_ARCH``), else the
+visible device.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from graft import config
+from graft.errors import GraftUnsupportedError
+
+log = logging.getLogger("graft.kernels.hip")
+
+CACHE_DIR_VAR = config.declare_env_var("GRAFT_CACHE_DIR", "cache directory for built kernels (default ~/.cache/graft)")
+VERBOSE_VAR = config.declare_env_var("GRAFT_HIP_VERBOSE", "1: show compiler output when building the HIP/CUDA kernels")
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# Torch-free kernel translation units: each compiles standalone with nvcc (or hipcc after hipify).
+KERNEL_SOURCES = ("fused_kernels.cu", "attention_kernels.cu", "gemm_kernels.cu", "moe_kernels.cu")
+BINDING_SOURCE = "bindings.cpp"  # the only file that includes torch headers
+HEADERS = ("compat.cuh", "graft_kernels.h")
+EXTENSION_NAME = "graft_hip_kernels"
+
+NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr")
+HIPCC_FLAGS = ("-O3",)
+CXX_FLAGS = ("-O3",)
+
+
+def vendor() -> str | None:
+    """``"rocm"``, ``"cuda"``, or None for a CPU-only torch build."""
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    if getattr(torch.version, "cuda", None):
+        return "cuda"
+    return None
+
+
+def _tool(home: str | None, name: str) -> str | None:
+    if home:
+        candidate = Path(home) / "bin" / name
+        if candidate.exists():
+            return str(candidate)
+    return shutil.which(name)
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain_reason() -> str | None:
+    """Why the extension cannot be compiled here (compiler or ninja missing), or None."""
+    from torch.utils import cpp_extension
+
+    if vendor() == "rocm":
+        if _tool(cpp_extension.ROCM_HOME, "hipcc") is None:
+            return "hipcc not found (install ROCm or set ROCM_HOME)"
+    else:
+        home = cpp_extension.CUDA_HOME
+        if home is None:
+            return "nvcc not found: CUDA_HOME is unset and no CUDA toolkit was found"
+        if _tool(home, "nvcc") is None:
+            return f"nvcc not found under CUDA_HOME={home} or on PATH"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not installed (torch.utils.cpp_extension needs it: pip install ninja)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def environment_reason() -> str | None:
+    """Why this process can never run the kernels (cached: none of it changes at runtime)."""
+    if vendor() is None:
+        return f"torch {torch.__version__} has no CUDA/HIP support (CPU-only build)"
+    if not torch.cuda.is_available():
+        return "no CUDA/ROCm device"
+    return toolchain_reason()
+
+
+class _State:
+    lock = threading.Lock()
+    module = None
+    error: str | None = None
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels can be built and run here, else the reason (for Implementation.available)."""
+    reason = environment_reason()
+    if reason:
+        return reason
+    if _State.error is not None:
+        return f"building the HIP/CUDA kernels failed: {_State.error}"
+    return None
+
+
+def reset() -> None:
+    """Forget cached reasons, a loaded module and a recorded build failure (tests use this)."""
+    toolchain_reason.cache_clear()
+    environment_reason.cache_clear()
+    with _State.lock:
+        _State.module = None
+        _State.error = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_DIR_VAR)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "graft"
+
+
+def source_files() -> list[Path]:
+    return [CSRC_DIR / name for name in (*HEADERS, *KERNEL_SOURCES, BINDING_SOURCE)]
+
+
+def build_key() -> str:
+    """Hash of everything the binary depends on: sources, flags, torch and toolkit versions."""
+    digest = hashlib.sha256()
+    for path in source_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    toolkit = f"{vendor()}-{torch.version.hip or torch.version.cuda}"
+    digest.update(f"{torch.__version__}|{toolkit}|{NVCC_FLAGS}|{HIPCC_FLAGS}|{CXX_FLAGS}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _stage_sources(src_dir: Path) -> None:
+    # hipify writes its output next to the sources it converts: give it a private copy
+    # (the installed package may be read-only), and compile that same copy on CUDA.
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for path in source_files():
+        target = src_dir / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, target)
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    key = build_key()
+    root = cache_dir() / "hip_ext" / f"{EXTENSION_NAME}-{key}"
+    src_dir, build_dir = root / "src", root / "build"
+    _stage_sources(src_dir)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    device_flags = HIPCC_FLAGS if vendor() == "rocm" else NVCC_FLAGS
+    log.info("building graft HIP/CUDA kernels in %s (first use; cached afterwards)", build_dir)
+    return load(
+        name=f"{EXTENSION_NAME}_{key}",
+        sources=[str(src_dir / name) for name in (BINDING_SOURCE, *KERNEL_SOURCES)],
+        extra_include_paths=[str(src_dir)],
+        extra_cflags=list(CXX_FLAGS),
+        extra_cuda_cflags=list(device_flags),
+        build_directory=str(build_dir),
+        verbose=config.parse_bool(VERBOSE_VAR, False),
+    )
+
+
+def _summarize(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return " / ".join(line.strip() for line in text[:3] if line.strip())[:500]
+
+
+def load_extension():
+    """The compiled extension module, built on first use.
+
+    Raises GraftUnsupportedError with the reason when the kernels cannot run here; a
+    failed build is remembered so later selections skip the hip backend with it.
+    """
+    if _State.module is not None:
+        return _State.module
+    with _State.lock:
+        if _State.module is not None:
+            return _State.module
+        reason = unavailable_reason()
+        if reason:
+            raise GraftUnsupportedError(f"graft HIP/CUDA kernels unavailable: {reason}")
+        try:
+            _State.module = _build()
+        except Exception as exc:
+            _State.error = _summarize(exc)
+            from graft import selection
+
+            selection.reset_caches()  # cached decisions still think the hip backend is usable
+            raise GraftUnsupportedError(f"building the graft HIP/CUDA kernels failed: {_State.error}") from exc
+        return _State.module
