@@ -283,6 +283,10 @@ def _w4a16_inputs(lead, n, k, group_size, fmt, zeros=True, bias=False):
     return make
 
 
+def _reduction_k(args, kwargs):
+    return args[0].shape[-1]
+
+
 def _flops_linear(args, kwargs):
     x, w = args[0], args[1]
     return 2.0 * x.numel() * w.shape[0]
@@ -314,16 +318,16 @@ def _cases():
         ((2, 5), 33, 64, True, "silu"),
     ]:
         name = f"m{'x'.join(map(str, lead))}_n{n}_k{k}{'_bias' if bias else ''}_{act}"
-        cases.append(OpCase("gemm.linear", name, _linear_inputs(lead, n, k, bias, act), FLOAT_DTYPES, _QUICK, flops=_flops_linear))
+        cases.append(OpCase("gemm.linear", name, _linear_inputs(lead, n, k, bias, act), FLOAT_DTYPES, _QUICK, flops=_flops_linear, reduction=_reduction_k))
     for m, n, k, act in [(4096, 4096, 4096, "none"), (16, 4096, 4096, "none"), (2048, 11008, 4096, "silu")]:
         cases.append(
-            OpCase("gemm.linear", f"m{m}_n{n}_k{k}_{act}", _linear_inputs((m,), n, k, False, act), (torch.float16, torch.bfloat16), _GPU, flops=_flops_linear)
+            OpCase("gemm.linear", f"m{m}_n{n}_k{k}_{act}", _linear_inputs((m,), n, k, False, act), (torch.float16, torch.bfloat16), _GPU, flops=_flops_linear, reduction=_reduction_k)
         )
     for m, n, k, per_tensor, bias in [(1, 7, 16, False, False), (17, 48, 33, True, True), (64, 129, 128, False, True)]:
         name = f"m{m}_n{n}_k{k}_{'per_tensor' if per_tensor else 'per_token'}{'_bias' if bias else ''}"
-        cases.append(OpCase("gemm.w8a8", name, _w8a8_inputs(m, n, k, per_tensor, bias), W8A8_OUT_DTYPES, _QUICK, flops=_flops_w8a8))
+        cases.append(OpCase("gemm.w8a8", name, _w8a8_inputs(m, n, k, per_tensor, bias), W8A8_OUT_DTYPES, _QUICK, flops=_flops_w8a8, reduction=_reduction_k))
     for m, n, k in [(4096, 4096, 4096), (16, 4096, 4096)]:
-        cases.append(OpCase("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", _w8a8_inputs(m, n, k, False, False), W8A8_OUT_DTYPES, _GPU, flops=_flops_w8a8))
+        cases.append(OpCase("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", _w8a8_inputs(m, n, k, False, False), W8A8_OUT_DTYPES, _GPU, flops=_flops_w8a8, reduction=_reduction_k))
     for fmt in FORMATS:
         for lead, n, k, g, zeros, bias in [
             ((1,), 8, 32, 32, True, False),
@@ -332,10 +336,10 @@ def _cases():
             ((2, 3), 16, 256, 128, True, False),
         ]:
             name = f"{fmt}_m{'x'.join(map(str, lead))}_n{n}_k{k}_g{g}{'' if zeros else '_sym'}{'_bias' if bias else ''}"
-            cases.append(OpCase("gemm.w4a16", name, _w4a16_inputs(lead, n, k, g, fmt, zeros, bias), _W4_DTYPES, _QUICK, flops=_flops_w4a16))
+            cases.append(OpCase("gemm.w4a16", name, _w4a16_inputs(lead, n, k, g, fmt, zeros, bias), _W4_DTYPES, _QUICK, flops=_flops_w4a16, reduction=_reduction_k))
         for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
             cases.append(
-                OpCase("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", _w4a16_inputs((m,), n, k, 128, fmt), _W4_DTYPES, _GPU, flops=_flops_w4a16)
+                OpCase("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", _w4a16_inputs((m,), n, k, 128, fmt), _W4_DTYPES, _GPU, flops=_flops_w4a16, reduction=_reduction_k)
             )
     return cases
 
