@@ -45,6 +45,48 @@ TILES = {
 
 
 @triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
+    stride_kt, stride_kd, stride_vt, stride_vd, d_ok,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N).
+
+    MASKED=False is for tiles every row of the query tile fully sees (inside the
+    sequence, left of the causal diagonal): no masks beyond the head-dim padding.
+    """
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        col_ok = cols < seqlen_k
+        k_mask = col_ok[None, :] & d_ok[:, None]
+        v_mask = col_ok[:, None] & d_ok[None, :]
+    else:
+        k_mask = d_ok[:, None]
+        v_mask = d_ok[None, :]
+    k_t = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None] * stride_kd, mask=k_mask, other=0.0)
+    # Scaled in fp32: folding the scale into a 16-bit q would add a rounding step.
+    scores = dot_f32(q, k_t, UPCAST, PRECISION) * qk_scale
+    if MASKED:
+        visible = col_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None] + shift)
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     Q, K, V, Out, CuSeqlensQ, CuSeqlensK,
     stride_qt, stride_qh, stride_qd,
@@ -74,7 +116,6 @@ def _prefill_kernel(
     kv_head = head // GROUP
 
     rows = first_row + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seqlen_q
     d_ok = offs_d < head_dim
@@ -83,39 +124,33 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     shift = seqlen_k - seqlen_q  # bottom-right alignment of the causal diagonal
-    kv_end = seqlen_k
     if CAUSAL:
-        kv_end = tl.minimum(seqlen_k, first_row + BLOCK_M + shift)
+        # Keys past the last row's horizon are invisible to the whole tile; keys up to the
+        # first row's horizon are visible to all of it.
+        kv_end = tl.maximum(tl.minimum(seqlen_k, first_row + BLOCK_M + shift), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, first_row + 1 + shift), 0)
+    else:
+        kv_end = seqlen_k
+        full_end = seqlen_k
+    full_end = (full_end // BLOCK_N) * BLOCK_N
 
     k_base = K + k_start * stride_kt + kv_head * stride_kh
     v_base = V + k_start * stride_vt + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(0, kv_end, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < seqlen_k
-        k_t = tl.load(
-            k_base + cols[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-            mask=col_ok[None, :] & d_ok[:, None],
-            other=0.0,
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
+            stride_kt, stride_kd, stride_vt, stride_vd, d_ok,
+            False, CAUSAL, BLOCK_N, BLOCK_D, UPCAST, PRECISION,
         )
-        scores = dot_f32(q, k_t, UPCAST, PRECISION) * qk_scale
-        visible = col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= rows[:, None] + shift)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
+            stride_kt, stride_kd, stride_vt, stride_vd, d_ok,
+            True, CAUSAL, BLOCK_N, BLOCK_D, UPCAST, PRECISION,
         )
-        acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
-        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: acc is 0, output 0
     out = acc / l_safe[:, None]
@@ -191,7 +226,10 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     return prefill_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
 
 
-def check(q, k, v, *args, **kwargs):
+def check(q, k, v, cu_seqlens_q, *args, **kwargs):
+    batch, num_heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
+    if batch > 65535 or num_heads > 65535:  # grid axes 1 and 2 of a CUDA launch
+        return f"batch {batch} / num_heads {num_heads} exceed the 65535 launch-grid limit"
     return head_dim_reason(q.shape[-1])
 
 
