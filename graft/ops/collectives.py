@@ -27,7 +27,7 @@ from graft.cases import OpCase
 from graft.config import declare_env_var, parse_bool
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.kernels.collectives._common import REDUCE_OPS, resolve_group
+from graft.kernels.collectives._common import REDUCE_OPS, all_gather_single, reduce_scatter_single, resolve_group
 from graft.registry import OpSpec
 
 VALIDATE_VAR = declare_env_var(
@@ -59,14 +59,14 @@ def _all_gather_ref(x, group=None, sizes=None):
     x = x.contiguous()
     if sizes is None:
         out = x.new_empty((ws * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=pg)
+        all_gather_single(out, x, group=pg)
         return out
     # Uneven shards: the library gathers equal sizes only, so pad each to the largest.
     biggest = max(sizes)
     padded = x.new_zeros((biggest,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((ws * biggest,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=pg)
+    all_gather_single(out, padded, group=pg)
     return torch.cat([out[r * biggest : r * biggest + n] for r, n in enumerate(sizes)])
 
 
@@ -77,7 +77,7 @@ def _reduce_scatter_ref(x, group=None, op="sum", sizes=None):
     rest = tuple(x.shape[1:])
     if sizes is None:
         out = x.new_empty((x.shape[0] // ws,) + rest)
-        dist.reduce_scatter_tensor(out, x, op=REDUCE_OPS[op], group=pg)
+        reduce_scatter_single(out, x, op, group=pg)
         return out
     biggest = max(sizes)
     padded = x.new_zeros((ws * biggest,) + rest)
@@ -86,7 +86,7 @@ def _reduce_scatter_ref(x, group=None, op="sum", sizes=None):
         padded[r * biggest : r * biggest + n] = x[start : start + n]
         start += n
     out = x.new_empty((biggest,) + rest)
-    dist.reduce_scatter_tensor(out, padded, op=REDUCE_OPS[op], group=pg)
+    reduce_scatter_single(out, padded, op, group=pg)
     return out[: sizes[rank]].clone()
 
 
@@ -237,7 +237,7 @@ def _agree(local: _Local, pg, ws: int, rank: int) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(_encode(local), dtype=torch.int64, device=device)
     table = torch.empty(ws * META_LEN, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(table, mine, group=pg)
+    all_gather_single(table, mine, group=pg)
     rows = table.view(ws, META_LEN).cpu().tolist()
     errors = [r for r in range(ws) if rows[r][0]]
     mismatch = any(rows[r] != rows[0] for r in range(ws))

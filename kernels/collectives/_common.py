@@ -137,3 +137,19 @@ def reduce_rows(rows: torch.Tensor, reduce_op: str, out_dtype: torch.dtype) -> t
     for r in range(1, rows.shape[0]):
         acc = fn(acc, rows[r])
     return acc.to(out_dtype)
+
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); older
+# torch only has the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(output, input, group=None, async_op=False):
+    """Gather every rank's ``input`` (same shape on all) into ``output`` (world_size x larger)."""
+    return _all_gather_single(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output, input, op="sum", group=None, async_op=False):
+    """Reduce ``input`` over the ranks; rank r receives block r into ``output``."""
+    return _reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=group, async_op=async_op)

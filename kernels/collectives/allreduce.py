@@ -37,6 +37,7 @@ from graft.custom_ops import define_op
 from graft.registry import Implementation
 
 from ._common import (
+    all_gather_single,
     backend_name,
     max_world,
     message_bytes,
@@ -55,7 +56,7 @@ def oneshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
     ws = dist.get_world_size(pg)
     flat = x.reshape(-1).contiguous()
     gathered = flat.new_empty(ws * flat.numel())
-    dist.all_gather_into_tensor(gathered, flat, group=pg)
+    all_gather_single(gathered, flat, group=pg)
     return reduce_rows(gathered.view(ws, -1), reduce_op, x.dtype).view(x.shape)
 
 
@@ -68,7 +69,7 @@ def twoshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
     reduced = reduce_rows(mine.view(ws, chunk), reduce_op, x.dtype).contiguous()
     # Step 2: every rank collects all reduced chunks.
     out = torch.empty_like(flat)
-    dist.all_gather_into_tensor(out, reduced, group=pg)
+    all_gather_single(out, reduced, group=pg)
     return out[: x.numel()].view(x.shape)
 
 

@@ -13,10 +13,13 @@ still in flight. Only the first piece's communication is exposed.
 
 Correctness versus the non-overlapped reference: every output row is the same dot
 products over the same K (the GEMM is split over rows only, never over K), so the local
-products match the unsplit GEMM whenever the GEMM library's K order does not depend on M
-(true for the CPU kernels tested here; tests check bit equality on fp32 with 2 ranks,
-where the cross-rank sum a+b is order-free, and a tolerance otherwise). With more than
-two ranks the library may sum differently for a smaller message, hence the tolerance.
+products match the unsplit GEMM bit for bit whenever the GEMM library's per-row results do
+not depend on M. BLAS libraries often do depend on it (MKL/oneDNN on this CPU pick other
+micro-kernels for other M, so a row of ``a[rows] @ b`` can differ in the last bit from the
+same row of ``a @ b``). The tests therefore check: bit equality on fp32 with 2 ranks
+(where the cross-rank sum a+b is order-free) whenever the chunk GEMMs reproduce the full
+GEMM's rows, and a tight tolerance always. With more than two ranks the library may also
+sum in another order for a smaller message, hence tolerance only.
 
 Where it pays: whenever the GEMM time of a piece is comparable to its communication
 (large M, N); the per-chunk overhead (an extra copy of a's rows, more, smaller GEMMs)
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from graft.custom_ops import define_op
 from graft.registry import Implementation
 
-from ._common import overlap_chunks, resolve_group
+from ._common import all_gather_single, overlap_chunks, reduce_scatter_single, resolve_group
 
 
 def _pieces(rows: int, chunks: int) -> list:
@@ -58,7 +61,7 @@ def _gemm_rs(a: torch.Tensor, b: torch.Tensor, chunks: int, group_name: str) -> 
     for start, end in _pieces(block, chunks):
         # Rows [start, end) of every rank's block: after the reduce-scatter this rank keeps its own.
         partial = (a_blocks[:, start:end].reshape(-1, a.shape[1]) @ b).contiguous()
-        work = dist.reduce_scatter_tensor(out[start:end], partial, group=pg, async_op=True)
+        work = reduce_scatter_single(out[start:end], partial, group=pg, async_op=True)
         pending.append((work, partial))  # keep `partial` alive until its collective finished
     for work, _ in pending:
         work.wait()
@@ -74,7 +77,7 @@ def _ag_gemm(a: torch.Tensor, b: torch.Tensor, chunks: int, group_name: str) -> 
     for start, end in _pieces(rows, chunks):
         piece = a[start:end].contiguous()
         gathered = a.new_empty((ws * (end - start), a.shape[1]))
-        work = dist.all_gather_into_tensor(gathered, piece, group=pg, async_op=True)
+        work = all_gather_single(gathered, piece, group=pg, async_op=True)
         in_flight.append((start, end, work, gathered, piece))
     for start, end, work, gathered, _ in in_flight:
         work.wait()

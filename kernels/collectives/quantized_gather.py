@@ -21,7 +21,7 @@ import torch.distributed as dist
 from graft.custom_ops import define_op
 from graft.registry import Implementation
 
-from ._common import resolve_group
+from ._common import all_gather_single, resolve_group
 
 QMAX = 127
 _HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -63,7 +63,7 @@ def _gather_int8(x: torch.Tensor, block_size: int, group_name: str) -> torch.Ten
     # One collective, not two: values and scales share a byte payload.
     payload = torch.cat([q.reshape(-1).view(torch.uint8), scales.view(torch.uint8)])
     gathered = payload.new_empty(ws * payload.numel())
-    dist.all_gather_into_tensor(gathered, payload, group=pg)
+    all_gather_single(gathered, payload, group=pg)
     n_q = q.numel()
     parts = []
     for row in gathered.view(ws, -1):
