@@ -34,9 +34,10 @@ ON_GPU = os.environ.get("GRAFT_TEST_DEVICE", "cpu") != "cpu"
 
 @pytest.fixture(autouse=True)
 def _fresh_build_state():
-    _build.reset()
+    # Keep a built extension (GPU runs): a compiled module cannot be unloaded anyway.
+    _build.reset(keep_module=True)
     yield
-    _build.reset()
+    _build.reset(keep_module=True)
 
 
 # ------------------------------------------------------------------ (1) the ROCm path: hipify
@@ -195,32 +196,33 @@ def test_reasons_for_each_missing_piece(monkeypatch):
 
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.version, "cuda", None)
-    _build.reset()
+    _build.reset(keep_module=True)
     assert "torch" in _build.unavailable_reason() and "no CUDA/HIP support" in _build.unavailable_reason()
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    _build.reset()
+    _build.reset(keep_module=True)
     assert _build.unavailable_reason() == "no CUDA/ROCm device"
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
-    _build.reset()
+    _build.reset(keep_module=True)
     assert "nvcc not found" in _build.unavailable_reason() and "CUDA_HOME" in _build.unavailable_reason()
 
     monkeypatch.setattr(torch.version, "hip", "7.0")
     monkeypatch.setattr(cpp_extension, "ROCM_HOME", None)
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    _build.reset()
+    _build.reset(keep_module=True)
     assert "hipcc not found" in _build.unavailable_reason()
 
     monkeypatch.setattr(shutil, "which", lambda name: "/opt/rocm/bin/hipcc")
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    _build.reset()
+    _build.reset(keep_module=True)
     assert "ninja" in _build.unavailable_reason()
 
 
 def test_failed_build_is_reported_and_remembered(monkeypatch):
+    monkeypatch.setattr(_build._State, "module", None)
     monkeypatch.setattr(_build, "environment_reason", lambda: None)
     calls = []
 
@@ -398,7 +400,6 @@ def hip_extension():
     if not torch.cuda.is_available():
         pytest.skip("GRAFT_TEST_DEVICE is set but no GPU is available")
     # On a GPU machine the build must work: an unavailable hip backend is a failure here.
-    _build.reset()
     return _build.load_extension()
 
 

@@ -108,12 +108,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def reset() -> None:
-    """Forget cached reasons, a loaded module and a recorded build failure (tests use this)."""
+def reset(keep_module: bool = False) -> None:
+    """Forget cached reasons, a recorded build failure and (unless ``keep_module``) the loaded module."""
     toolchain_reason.cache_clear()
     environment_reason.cache_clear()
     with _State.lock:
-        _State.module = None
+        if not keep_module:
+            _State.module = None
         _State.error = None
 
 

@@ -7,6 +7,8 @@ exactly like the reference.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,11 @@ TILES = {
     "cdna3": {"max_block": 8192, "num_warps": 8},
     "interpreter": {"max_block": 2048, "num_warps": 1},
 }
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on the tensor's GPU, not whichever is current (Triton uses the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -83,12 +90,13 @@ def _launch(x, weight, eps, residual):
     r2 = _rows(residual) if residual is not None else x2
     cfg = tile_config(TILES, x.device)
     block = min(triton.next_power_of_2(hidden), cfg["max_block"])
-    _rms_norm_kernel[(rows,)](
-        x2, r2, weight.contiguous(), out, res_out,
-        hidden, x2.stride(0), r2.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_TILE=block >= hidden,
-        num_warps=cfg["num_warps"],
-    )
+    with _on_device(x):
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight.contiguous(), out, res_out,
+            hidden, x2.stride(0), r2.stride(0), float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_TILE=block >= hidden,
+            num_warps=cfg["num_warps"],
+        )
     return out, res_out
 
 
