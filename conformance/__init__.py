@@ -6,7 +6,19 @@ plus adapters' ``graft_conformance_cases``. Numerics are checked against the op'
 reference with per-dtype tolerances (:mod:`graft.conformance.tolerances`); throughput is
 the ratio against the reference and the framework's own kernel where installed
 (:mod:`graft.conformance.baselines`), measured in the same run.
-"""
-from graft.conformance.runner import Options, Report, run_conformance
 
-__all__ = ["Options", "Report", "run_conformance"]
+Nothing is imported eagerly: the pytest plugin is loaded by every pytest run where graft
+is installed, and must not pull in torch for people who do not ask for the suite.
+"""
+_LAZY = {"Options": "graft.conformance.runner", "Report": "graft.conformance.runner",
+         "Runner": "graft.conformance.runner", "run_conformance": "graft.conformance.runner"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graft.conformance' has no attribute {name!r}")

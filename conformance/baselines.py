@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 REFERENCE = "torch reference"
+UNAVAILABLE = "unavailable"  # prefix of prepare()'s reason when the upstream code cannot be loaded
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Baseline:
         """``(fn, args, kwargs, postprocess)`` for this case, or a reason string."""
         fn, reason = self.upstream()
         if fn is None:
-            return f"unavailable: {reason}"
+            return f"{UNAVAILABLE}: {reason}"
         return self.adapt(fn, args, kwargs)
 
 

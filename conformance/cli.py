@@ -71,10 +71,12 @@ def options_from_args(args):
 
 def run(args) -> int:
     from graft.conformance.report import summary_table, write_reports
-    from graft.conformance.runner import Runner
+    from graft.conformance.runner import Runner, enable_cpu_interpreter
     from graft.plugins import get_host
 
     options = options_from_args(args)
+    if enable_cpu_interpreter(options.device):
+        print("TRITON_INTERPRET=1 set: Triton kernels run in the CPU interpreter (numerics only)", flush=True)
     host = get_host()
     if options.impls:
         known = host.registry.backends()

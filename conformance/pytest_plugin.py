@@ -34,8 +34,16 @@ def pytest_addoption(parser):
                     help="device (default: $GRAFT_TEST_DEVICE, else cpu)")
 
 
+def _device(config) -> str:
+    return config.getoption("--graft-conformance-device") or os.environ.get("GRAFT_TEST_DEVICE", "cpu")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARKER}: a graft conformance case (op x impl x case x dtype)")
+    if config.getoption("--graft-conformance"):
+        from graft.conformance.runner import enable_cpu_interpreter
+
+        enable_cpu_interpreter(_device(config))  # before anything imports triton
 
 
 class ConformanceFailure(AssertionError):
@@ -48,7 +56,7 @@ def _runner(config):
         from graft.conformance.runner import Options, Runner
 
         opt = config.getoption
-        device = opt("--graft-conformance-device") or os.environ.get("GRAFT_TEST_DEVICE", "cpu")
+        device = _device(config)
         tags = tuple(t.strip() for t in opt("--graft-conformance-tags").split(",") if t.strip())
         options = Options(device=device, ops=tuple(opt("--graft-conformance-op")),
                           families=tuple(opt("--graft-conformance-family")),

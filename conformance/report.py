@@ -70,12 +70,15 @@ IMPL_COLUMNS = [
 
 
 def baseline_rows(report: Report) -> list:
+    """Baselines that ran (timed, or disagreeing with the reference); unused ones: see unused_baselines."""
     rows = []
     for case in report.cases:
         if case.reference_timing:
             rows.append({"op": case.op, "case": case.case, "dtype": case.dtype, "baseline": REFERENCE,
                          "status": "ok", "median": _fmt_time(case.reference_timing["median_s"]), "ratio": "1.00x"})
         for b in case.baselines:
+            if b.status in ("unavailable", "not applicable"):
+                continue
             status = b.status if not b.reason else f"{b.status}: {b.reason}"
             rows.append({"op": case.op, "case": case.case, "dtype": case.dtype, "baseline": b.name, "status": status,
                          "median": _fmt_time((b.timing or {}).get("median_s")),
@@ -87,6 +90,18 @@ BASELINE_COLUMNS = [
     ("op", "op"), ("case", "case (shape)"), ("dtype", "dtype"), ("baseline", "baseline"), ("status", "status"),
     ("median", f"median time ({DEVICE_SPECIFIC})"), ("ratio", "speedup vs torch reference"),
 ]
+
+
+def unused_baselines(report: Report) -> list:
+    """"op: baseline: status: reason (N cases)" for baselines that were unavailable or did not apply."""
+    counts: dict = {}
+    for case in report.cases:
+        for b in case.baselines:
+            if b.status in ("unavailable", "not applicable"):
+                key = (case.op, b.name, b.status, b.reason)
+                counts[key] = counts.get(key, 0) + 1
+    return [f"{op}: {name}: {status}: {reason} ({n} case{'s' if n > 1 else ''})"
+            for (op, name, status, reason), n in counts.items()]
 
 
 def case_skip_rows(report: Report) -> list:
@@ -214,6 +229,9 @@ def render_markdown(report: Report) -> str:
     rows = baseline_rows(report)
     if rows:
         out += ["", f"## Baselines (absolute times are {DEVICE_SPECIFIC})", "", _md_table(BASELINE_COLUMNS, rows)]
+    unused = unused_baselines(report)
+    if unused:
+        out += ["", "## Baselines not used", ""] + [f"- {line}" for line in unused]
     series = plot_series(report)
     if series:
         out += ["", "## Speedup per shape", ""]
@@ -280,6 +298,11 @@ def render_html(report: Report) -> str:
     if brows:
         out.append(f"<h2>Baselines (absolute times are {DEVICE_SPECIFIC})</h2>")
         out.append(_html_table(BASELINE_COLUMNS, brows))
+    unused = unused_baselines(report)
+    if unused:
+        out.append("<h2>Baselines not used</h2><ul>")
+        out += [f"<li>{esc(line)}</li>" for line in unused]
+        out.append("</ul>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
@@ -307,7 +330,8 @@ def summary_table(report: Report) -> str:
     """Short per-op summary for the terminal."""
     per_op: dict = {}
     for case in report.cases:
-        entry = per_op.setdefault(case.op, {"pass": 0, "fail": 0, "error": 0, "skipped": 0, "ratios": []})
+        entry = per_op.setdefault(case.op, {"pass": 0, "fail": 0, "error": 0, "skipped": 0, "ratios": [], "runs": 0})
+        entry["runs"] += 1
         if case.status == ERROR:
             entry["error"] += 1
         elif case.status == SKIPPED:
@@ -316,9 +340,13 @@ def summary_table(report: Report) -> str:
             entry[impl.status] += 1
             if REFERENCE in impl.speedups:
                 entry["ratios"].append(impl.speedups[REFERENCE])
-    lines = [f"{'op':<28} {'pass':>5} {'fail':>5} {'error':>5} {'skip':>5}  median speedup vs torch reference"]
+    width = max([len("op")] + [len(op) for op in per_op]) + 1
+    lines = [f"{'op':<{width}} {'cases':>5} {'pass':>5} {'fail':>5} {'error':>5} {'skip':>5}  "
+             "median speedup vs torch reference"]
     for op, e in per_op.items():
         ratios = sorted(e["ratios"])
         med = f"{ratios[len(ratios) // 2]:.2f}x" if ratios else "-"
-        lines.append(f"{op:<28} {e['pass']:>5} {e['fail']:>5} {e['error']:>5} {e['skipped']:>5}  {med}")
+        if not any(e[k] for k in ("pass", "fail", "error", "skipped")):
+            med = "(only the torch reference is registered)"
+        lines.append(f"{op:<{width}} {e['runs']:>5} {e['pass']:>5} {e['fail']:>5} {e['error']:>5} {e['skipped']:>5}  {med}")
     return "\n".join(lines)

@@ -273,15 +273,23 @@ class Runner:
         arch = self.info.arch if self.device.type == "cuda" else self.device.type
         result.selected, selected_impl = self._selection(case.op, key_dtype, arch, args, kwargs)
 
-        timing_on = self.options.timing
-        ref_timing = self._time(spec.reference, make) if timing_on else None
-        result.reference_timing = ref_timing.as_dict() if ref_timing else None
+        # The reference is timed only once something is to be compared with it (on a CPU with
+        # interpreted kernels and no applicable upstream baseline, nothing is).
+        ref_cache = []
+
+        def ref_timing():
+            if not ref_cache:
+                ref_cache.append(self._time(spec.reference, make))
+                result.reference_timing = ref_cache[0].as_dict()
+            return ref_cache[0]
+
         baseline_timings = {baselines_mod.REFERENCE: ref_timing}
         for baseline in baselines_mod.baselines_for(case.op, self.options.upstream):
             b = self._run_baseline(baseline, make, expected, tol, ref_timing)
             result.baselines.append(b)
             if b.timing is not None:
-                baseline_timings[b.name] = Timing(**{k: v for k, v in b.timing.items() if k != "iqr_rel"})
+                timing = Timing(**{k: v for k, v in b.timing.items() if k != "iqr_rel"})
+                baseline_timings[b.name] = lambda t=timing: t
 
         for impl in self.impls_for(case.op) if impls is None else impls:
             r = self._run_impl(impl, case, dtype, make, expected, tol, key_dtype, arch, baseline_timings)
@@ -308,8 +316,10 @@ class Runner:
         args, kwargs = make()
         prepared = baseline.prepare(args, kwargs)
         if isinstance(prepared, str):
-            status = "unavailable" if prepared.startswith("unavailable") else "not applicable"
-            return BaselineResult(baseline.name, status, prepared)
+            prefix = baselines_mod.UNAVAILABLE + ": "
+            if prepared.startswith(prefix):
+                return BaselineResult(baseline.name, baselines_mod.UNAVAILABLE, prepared[len(prefix):])
+            return BaselineResult(baseline.name, "not applicable", prepared)
         fn, b_args, b_kwargs, post = prepared
         result = BaselineResult(baseline.name, "ok")
         try:
@@ -333,7 +343,7 @@ class Runner:
 
             timing = self._time(fn, make_prepared)
             result.timing = timing.as_dict()
-            result.speedup_vs_reference = speedup(ref_timing, timing)
+            result.speedup_vs_reference = speedup(ref_timing(), timing)
         return result
 
     def _run_impl(self, impl, case, dtype, make, expected, tol, key_dtype, arch, baseline_timings) -> ImplResult:
@@ -372,7 +382,7 @@ class Runner:
         if is_interpreted(impl, self.device):
             r.timing_note = INTERPRETER_TIMED_NOTE
         for name, base in baseline_timings.items():
-            ratio = speedup(base, timing)
+            ratio = speedup(base(), timing)
             if ratio is not None:
                 r.speedups[name] = ratio
         return r
@@ -395,6 +405,22 @@ class Runner:
             "plugins": {name: rec.status for name, rec in self.host.records.items()},
             "hook_errors": list(self.host.hook_errors),
         }
+
+
+def enable_cpu_interpreter(device: str) -> bool:
+    """On the CPU, run Triton kernels in the interpreter unless the user chose otherwise.
+
+    Triton runs on a CPU only interpreted, and TRITON_INTERPRET must be set before triton
+    is imported; without it every Triton implementation would just be skipped. An explicit
+    TRITON_INTERPRET (e.g. 0) is respected. Returns True when it was set here.
+    """
+    import os
+    import sys
+
+    if torch.device(device).type != "cpu" or "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return True
 
 
 def _last_frames(exc: BaseException, limit: int = 3) -> str:
