@@ -1,0 +1,11 @@
+"""Upstream-contribution patch generation (installed as ``graft.patches``).
+
+An adapter describes how its kernels would live natively inside a framework's source
+tree with :class:`~graft.patches.template.PatchTemplate` objects (returned from the
+``graft_patch_templates`` hook). ``graft patches generate`` turns them into
+``git format-patch`` files against a checkout; ``graft patches check`` verifies they
+apply cleanly and that the patched tree still imports.
+"""
+from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceText
+
+__all__ = ["PatchTemplate", "CreateFile", "InsertAfter", "ReplaceText"]
