@@ -95,7 +95,7 @@ def w_gather_scatter(rank, ws):
     from graft.kernels.collectives.quantized_gather import error_bound
     from graft.ops import collectives as C
 
-    reset_graft()
+    reset_graft(GRAFT_QUANTIZED_GATHER_MIN_BYTES="0")
     for dtype in FLOATS:
         # even all-gather, including a 1-D and a 3-D input
         for salt, shape in enumerate([(5, 17), (3,), (2, 3, 4)]):
@@ -131,7 +131,9 @@ def w_gather_scatter(rank, ws):
             # the reference (GRAFT_DISABLE=collectives) is the exact gather
         reset_graft(GRAFT_DISABLE="int8")
         assert torch.equal(C.all_gather_quantized(inputs[rank], None, 64), torch.cat(inputs))
-        reset_graft()
+        reset_graft()  # default threshold: a small input is gathered exactly
+        assert dispatch.select("collectives.all_gather_quantized", inputs[rank], None, 64).backend == "torch"
+        reset_graft(GRAFT_QUANTIZED_GATHER_MIN_BYTES="0")
     return True
 
 
@@ -140,7 +142,7 @@ def w_overlap(rank, ws):
     from graft.kernels.collectives import overlap
     from graft.ops import collectives as C
 
-    reset_graft()
+    reset_graft(GRAFT_COLLECTIVES="overlap,torch", GRAFT_OVERLAP_MIN_BYTES="0")
     results = []
     for dtype in FLOATS:
         for rows, k, n, chunks in [(5, 24, 20, 4), (8, 16, 9, 3), (1, 8, 8, 4)]:
@@ -175,6 +177,14 @@ def w_overlap(rank, ws):
             assert backend == ("overlap" if rows >= 2 else "torch"), (rows, backend)
             close(C.gemm_reduce_scatter(a, b), want, dtype, "dispatched gemm_reduce_scatter")
             close(C.all_gather_gemm(a2, b2), want2, dtype, "dispatched all_gather_gemm")
+    # Defaults: small problems and (on the CPU) unnamed overlap go to the reference.
+    a3, b3 = make(rank, (8, 16)), make(rank, (16, 9))
+    reset_graft()
+    assert dispatch.select("collectives.all_gather_gemm", a3, b3, None).backend == "torch"
+    reset_graft(GRAFT_OVERLAP_MIN_BYTES="0")
+    assert dispatch.select("collectives.all_gather_gemm", a3, b3, None).backend == "torch"
+    reset_graft(GRAFT_OVERLAP_MIN_BYTES="0", GRAFT_COLLECTIVES_ALL_GATHER_GEMM="overlap")
+    assert dispatch.select("collectives.all_gather_gemm", a3, b3, None).backend == "overlap"
     return results
 
 

@@ -32,10 +32,21 @@ OVERLAP_CHUNKS_VAR = declare_env_var(
     "pipeline depth (chunks) of the GEMM + collective overlap ops (default 4)",
 )
 
+OVERLAP_MIN_BYTES_VAR = declare_env_var(
+    "GRAFT_OVERLAP_MIN_BYTES",
+    "smallest collective (bytes) the GEMM + collective overlap ops pipeline (default 1048576 = 1 MiB)",
+)
+QUANT_MIN_BYTES_VAR = declare_env_var(
+    "GRAFT_QUANTIZED_GATHER_MIN_BYTES",
+    "smallest per-rank input (bytes) the int8 all-gather quantizes; smaller ones gather exactly (default 65536)",
+)
+
 DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024
 DEFAULT_TWOSHOT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_WORLD = 8
 DEFAULT_OVERLAP_CHUNKS = 4
+DEFAULT_OVERLAP_MIN_BYTES = 1024 * 1024
+DEFAULT_QUANT_MIN_BYTES = 64 * 1024
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -76,6 +87,28 @@ def max_world() -> int:
 
 def overlap_chunks() -> int:
     return env_int(OVERLAP_CHUNKS_VAR, DEFAULT_OVERLAP_CHUNKS, minimum=1)
+
+
+def overlap_min_bytes() -> int:
+    return env_int(OVERLAP_MIN_BYTES_VAR, DEFAULT_OVERLAP_MIN_BYTES)
+
+
+def quantized_min_bytes() -> int:
+    return env_int(QUANT_MIN_BYTES_VAR, DEFAULT_QUANT_MIN_BYTES)
+
+
+def explicitly_requested(op: str, backend: str) -> bool:
+    """Does the priority variable in force for ``op`` (op, family, then global) name ``backend``?
+
+    Implementations that are correct but not faster on some device (the CPU) step aside
+    unless the user asked for them by name.
+    """
+    from graft.config import op_env_var, split_list
+
+    for var in (op_env_var(op), op_env_var(op.split(".")[0]), "GRAFT_BACKENDS"):
+        if var in os.environ:
+            return backend in split_list(os.environ[var])
+    return False
 
 
 def resolve_group(group=None):

@@ -27,18 +27,16 @@ Where it runs:
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from graft.config import split_list
 from graft.custom_ops import define_op
 from graft.registry import Implementation
 
 from ._common import (
     all_gather_single,
     backend_name,
+    explicitly_requested,
     max_world,
     message_bytes,
     oneshot_max_bytes,
@@ -161,7 +159,7 @@ def make_check(algorithm: str):
             _, reason = _symm_buffer(pg, x.device)
             return reason
         # CPU: correct and deterministic, but not faster than gloo's all-reduce (bench.py).
-        if not explicitly_requested(algorithm):
+        if not explicitly_requested("collectives.all_reduce", algorithm):
             return (f"on the CPU (gloo) {algorithm} is not faster than the library all-reduce; "
                     f"GRAFT_COLLECTIVES_ALL_REDUCE={algorithm} selects it (deterministic results)")
         return None
@@ -169,12 +167,6 @@ def make_check(algorithm: str):
     return check
 
 
-def explicitly_requested(backend: str) -> bool:
-    """Does the priority variable in force for collectives.all_reduce name ``backend``?"""
-    for var in ("GRAFT_COLLECTIVES_ALL_REDUCE", "GRAFT_COLLECTIVES", "GRAFT_BACKENDS"):
-        if var in os.environ:
-            return backend in split_list(os.environ[var])
-    return False
 
 
 def register(registry) -> None:

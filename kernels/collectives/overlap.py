@@ -23,7 +23,10 @@ sum in another order for a smaller message, hence tolerance only.
 
 Where it pays: whenever the GEMM time of a piece is comparable to its communication
 (large M, N); the per-chunk overhead (an extra copy of a's rows, more, smaller GEMMs)
-makes it a loss for tiny problems, which the check refuses (fewer rows than 2 chunks).
+makes it a loss for small problems, which the check refuses (fewer rows than 2 chunks, or a
+collective under ``GRAFT_OVERLAP_MIN_BYTES``, default 1 MiB). On the CPU (gloo) the
+communication thread competes with the GEMM for the same cores and the benchmark shows no
+gain, so there it runs only when named (``GRAFT_COLLECTIVES_GEMM_REDUCE_SCATTER=overlap``).
 On GPUs torch also offers symmetric-memory fused versions
 (``torch.distributed._symmetric_memory._fused_matmul_reduce_scatter``); this module uses
 only portable library collectives so the same code runs on NCCL, RCCL and gloo.
@@ -36,7 +39,14 @@ import torch.distributed as dist
 from graft.custom_ops import define_op
 from graft.registry import Implementation
 
-from ._common import all_gather_single, overlap_chunks, reduce_scatter_single, resolve_group
+from ._common import (
+    all_gather_single,
+    explicitly_requested,
+    overlap_chunks,
+    overlap_min_bytes,
+    reduce_scatter_single,
+    resolve_group,
+)
 
 
 def _pieces(rows: int, chunks: int) -> list:
@@ -109,21 +119,29 @@ def all_gather_gemm(a, b, group=None, chunks: int | None = None):
                               resolve_group(group).group_name)
 
 
-def _rows_check(rows: int) -> str | None:
+def _overlap_check(op: str, rows: int, comm_bytes: int, device_type: str) -> str | None:
     chunks = overlap_chunks()
     if chunks < 2:
         return "GRAFT_OVERLAP_CHUNKS=1: nothing to overlap"
     if rows < 2:
         return f"{rows} row(s) per rank: too few to split into pipeline chunks"
+    if comm_bytes < overlap_min_bytes():
+        return f"collective of {comm_bytes} bytes < {overlap_min_bytes()} (GRAFT_OVERLAP_MIN_BYTES): chunking costs more"
+    if device_type == "cpu" and not explicitly_requested(op, "overlap"):
+        # gloo's communication thread competes with the GEMM for the same cores (bench.py).
+        return "on the CPU the overlap does not pay (gloo and the GEMM share cores); name 'overlap' to force it"
     return None
 
 
 def _check_gemm_rs(a, b, group=None):
-    return _rows_check(a.shape[0] // dist.get_world_size(resolve_group(group)))
+    ws = dist.get_world_size(resolve_group(group))
+    return _overlap_check("collectives.gemm_reduce_scatter", a.shape[0] // ws,
+                          a.shape[0] * b.shape[1] * a.element_size(), a.device.type)
 
 
 def _check_ag_gemm(a, b, group=None):
-    return _rows_check(a.shape[0])
+    ws = dist.get_world_size(resolve_group(group))
+    return _overlap_check("collectives.all_gather_gemm", a.shape[0], ws * a.numel() * a.element_size(), a.device.type)
 
 
 def register(registry) -> None:

@@ -12,6 +12,12 @@ symmetric round-to-nearest with ``scale = absmax(block) / 127`` maps every value
 to the output dtype, adding at most half an ulp of it: ``|y| * 2^-8`` for bf16,
 ``2^-11`` for fp16, ``2^-24`` for fp32. :func:`error_bound` returns that per-element
 bound; a zero block has scale 1 and is exact.
+
+Where it pays: bandwidth-bound gathers (across nodes, or large ZeRO-3 parameter gathers on
+slow links). Small messages are latency-bound and the extra quantize/dequantize passes cost
+more than they save, so below ``GRAFT_QUANTIZED_GATHER_MIN_BYTES`` per rank (default 64 KiB)
+the exact gather serves the op. On loopback gloo (this machine's CPU runs) memory copies
+are as fast as the "network", and the benchmark shows no gain at any size.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch.distributed as dist
 from graft.custom_ops import define_op
 from graft.registry import Implementation
 
-from ._common import all_gather_single, resolve_group
+from ._common import all_gather_single, quantized_min_bytes, resolve_group
 
 QMAX = 127
 _HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -85,6 +91,14 @@ def all_gather_int8(x, group=None, block_size: int = 128):
     return int8_op(x.contiguous(), block_size, resolve_group(group).group_name)
 
 
+def _check(x, group=None, block_size=128):
+    nbytes = x.numel() * x.element_size()
+    if nbytes < quantized_min_bytes():
+        # Latency-bound: quantize/dequantize passes cost more than the bytes they save.
+        return f"{nbytes} bytes per rank < {quantized_min_bytes()} (GRAFT_QUANTIZED_GATHER_MIN_BYTES): exact gather"
+    return None
+
+
 def register(registry) -> None:
     registry.add_impl(
         Implementation(
@@ -94,6 +108,7 @@ def register(registry) -> None:
             description="int8 values + fp32 per-block scales, one all-gather",
             devices=frozenset({"cpu", "cuda"}),
             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            check=_check,
             custom_op=int8_op,
         )
     )
