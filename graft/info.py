@@ -74,7 +74,7 @@ def render_text(report: dict) -> str:
     lines.append("plugins:")
     for p in report["plugins"]:
         version = f"{p['distribution']} {p['version']}" if p["distribution"] else "in-process"
-        lines.append(f"  {p['name']:<14} {p['status']:<9} {version:<24} {p['module']}")
+        lines.append(f"  {p['name']:<18} {p['status']:<9} {version:<24} {p['module']}")
         if p.get("error"):
             lines.append(f"      ! {p['error']}")
         if p.get("info", {}).get("description"):

@@ -78,7 +78,15 @@ class Implementation:
         return f"{self.op}:{self.backend}:{self.provider}"
 
     def static_reason(self, device_type: str, dtype: torch.dtype | None, arch: str | None) -> str | None:
-        """Why this impl cannot serve a (device, dtype, arch) request, or None if it can."""
+        """Why this impl cannot serve a (device, dtype, arch) request, or None if it can.
+
+        Environment availability is asked first: "no GPU and TRITON_INTERPRET unset" tells
+        a user more than "device type 'cpu' not supported".
+        """
+        if self.available is not None:
+            reason = self.available()
+            if reason:
+                return reason
         if device_type not in self.devices:
             return f"device type {device_type!r} not supported (supports {', '.join(sorted(self.devices))})"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
@@ -87,10 +95,6 @@ class Implementation:
         if self.archs is not None and device_type != "cpu":
             if arch is None or not any(arch.startswith(p) for p in self.archs):
                 return f"architecture {arch} not supported (supports {', '.join(self.archs)})"
-        if self.available is not None:
-            reason = self.available()
-            if reason:
-                return reason
         return None
 
 
