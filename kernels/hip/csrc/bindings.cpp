@@ -47,6 +47,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const std:
                                                  const at::Tensor& weight, double eps) {
   check_cuda_tensor(x, "x");
   const c10::cuda::CUDAGuard guard(x.device());
+  if (x.numel() == 0) {  // nothing to do; also keeps reshape({-1, 0}) out of the way
+    return {at::empty(x.sizes(), x.options()), residual.has_value() ? at::empty(x.sizes(), x.options()) : at::Tensor()};
+  }
   const at::Tensor x_rows = as_rows(x);
   const bool weight_fp32 = weight.scalar_type() != x.scalar_type();
   const at::Tensor w = weight_fp32 ? weight.to(at::kFloat).contiguous() : weight.contiguous();
@@ -84,6 +87,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = d;
   at::Tensor out = at::empty(shape, x.options());
+  if (out.numel() == 0) return out;
   const at::Tensor x_rows = as_rows(x);
   check_launch(graft::launch_silu_and_mul(dtype_of(x), x_rows.data_ptr(), x_rows.stride(0), out.data_ptr(),
                                           x_rows.size(0), d, c10::cuda::getCurrentCUDAStream()),
