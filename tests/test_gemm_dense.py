@@ -135,3 +135,19 @@ def test_custom_op_opcheck_and_fake_tracing(device):
     assert any("gemm_linear_triton" in str(n.target) for n in gm.graph.nodes)
     out = torch.compile(lambda x, w, b: linear_op(x, w, b, "relu") * 2, backend="eager", fullgraph=True)(x, w, b)
     torch.testing.assert_close(out, 2 * G.linear_reference(x, w, b, "relu"), **TOL[torch.float32])
+
+
+def test_kernels_compile_for_gpu_targets(tmp_path):
+    """The interpreter accepts things the GPU compilers reject: compile each GEMM kernel for
+    Hopper ahead of time (no GPU needed), in a subprocess because the interpreter is on here."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from graft.kernels.triton._gemm_aot import compile_all; "
+        "f = compile_all(['cuda:90'], quick=True); print(*f, sep='\\n'); sys.exit(1 if f else 0)"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
