@@ -1,0 +1,126 @@
+"""Turning graft on inside DeepSpeed, and off again.
+
+DeepSpeed has no plugin entry point: it picks its accelerator itself, binds op builder
+classes to names when ``deepspeed`` is imported, and builds its comm backend in
+``init_distributed()``. So activation (``graft.adapters.deepspeed.activate()``, or the
+``python -m graft.adapters.deepspeed`` runner) does three things, all undone by
+:func:`deactivate`:
+
+1. ``deepspeed.accelerator.set_accelerator(GraftAccelerator(current))``: DeepSpeed's
+   documented hook for a custom accelerator; graft's wraps the detected one.
+2. Rebinds the builder names DeepSpeed bound at import (``deepspeed.ops.op_builder.
+   FusedAdamBuilder``, ``deepspeed.ops.adam.fused_adam.FusedAdamBuilder``) to graft's.
+3. Makes ``deepspeed.comm``'s backend class (and the live backend object, if
+   ``init_distributed`` already ran) :class:`~graft.adapters.deepspeed.comm.GraftTorchBackend`.
+
+Call it before ``deepspeed.initialize()``: an optimizer built earlier keeps its kernels.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from graft import config
+from graft.integration import FrameworkIntegration
+
+log = logging.getLogger("graft.adapters.deepspeed")
+
+ENV_VAR = config.declare_env_var(
+    "GRAFT_DEEPSPEED", "0: leave DeepSpeed alone (no graft accelerator, op builders or comm routing); default 1"
+)
+SUPPORTED = ">=0.19,<0.20"
+BUILDER_PACKAGE = "deepspeed.ops.op_builder"
+
+_lock = threading.RLock()
+_undo: list = []
+_active = False
+
+
+def integration() -> FrameworkIntegration:
+    return FrameworkIntegration(
+        name="deepspeed",
+        distribution="deepspeed",
+        supported=SUPPORTED,
+        activate=activate,
+        description="FusedAdam -> fused.adam_step; deepspeed.comm all_reduce/all_gather/reduce_scatter -> "
+        "graft collectives (accelerator wrapper + comm backend)",
+        env_var=ENV_VAR,
+        notes=[
+            "not automatic: call graft.adapters.deepspeed.activate() before deepspeed.initialize(), "
+            "or launch with `deepspeed --module graft.adapters.deepspeed train.py`",
+        ],
+    )
+
+
+def is_active() -> bool:
+    return _active
+
+
+def _rebind_builders(accelerator, builders: dict) -> list:
+    """Point every already-imported ``deepspeed.*`` name bound to a replaced builder at graft's.
+
+    Skips the vendor builder packages (``deepspeed.ops.op_builder.<vendor>...``), which
+    define the originals; the accelerator-neutral table ``deepspeed.ops.op_builder`` and
+    users such as ``deepspeed.ops.adam.fused_adam`` are rebound. Returns undo records.
+    """
+    records = []
+    for class_name, graft_builder in builders.items():
+        original = accelerator.get_op_builder(class_name)
+        if original is None or original is graft_builder:
+            continue
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not (module_name == "deepspeed" or module_name.startswith("deepspeed.")):
+                continue
+            if module_name.startswith(BUILDER_PACKAGE + "."):
+                continue
+            if getattr(module, class_name, None) is original:
+                setattr(module, class_name, graft_builder)
+                records.append((module, class_name, original))
+    return records
+
+
+def activate() -> bool:
+    """Route DeepSpeed's FusedAdam and collectives to graft. Idempotent.
+
+    Returns False (and changes nothing) when ``GRAFT_DEEPSPEED=0`` or ``GRAFT_DISABLE=all``;
+    raises a clear :class:`graft.errors.GraftError` when DeepSpeed is missing or its version
+    is outside :data:`SUPPORTED`.
+    """
+    global _active
+    integ = integration()
+    ok, why = integ.status()
+    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
+        log.info("graft's DeepSpeed integration is off: %s", why)
+        return False
+    integ.check_version()  # missing or unsupported DeepSpeed: a clear error, not a half-working patch
+    with _lock:
+        if _active:
+            return True
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+
+        from graft.adapters.deepspeed import comm, op_builders
+        from graft.adapters.deepspeed.accelerator import GraftAccelerator
+
+        current = get_accelerator()
+        if not isinstance(current, GraftAccelerator):
+            wrapped = GraftAccelerator(current)
+            set_accelerator(wrapped)
+            _undo.append(lambda: set_accelerator(current))
+            served = {n: b for n, b in op_builders.BUILDERS.items() if wrapped.graft_serves(n)}
+            records = _rebind_builders(current, served)
+            _undo.append(lambda: [setattr(m, n, original) for m, n, original in records])
+        _undo.append(comm.install())
+        _active = True
+        log.info("graft's DeepSpeed integration is active (accelerator %s, builders %s, comm routed)",
+                 current.__class__.__name__, ", ".join(sorted(op_builders.BUILDERS)))
+        return True
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (tests use it; objects DeepSpeed built meanwhile keep graft's code)."""
+    global _active
+    with _lock:
+        while _undo:
+            _undo.pop()()
+        _active = False

@@ -1,0 +1,149 @@
+"""Route ``deepspeed.comm`` collectives through graft's ``collectives`` ops.
+
+Every ``deepspeed.comm.all_reduce(...)`` (and friends) calls the module-global backend
+object ``deepspeed.comm.comm.cdb``, a ``TorchBackend`` that wraps ``torch.distributed``.
+``GraftTorchBackend`` is that class with the data-moving collectives ZeRO uses
+(all-reduce, all-gather into a flat tensor, reduce-scatter of a flat tensor, list
+all-gather) sent to ``graft.ops.collectives`` instead; everything else (groups, barriers,
+point-to-point, broadcast) is DeepSpeed's own code.
+
+graft's collectives are functional (they return a new tensor), DeepSpeed's write into
+their arguments, so each routed call copies the result into place. graft runs them
+synchronously: an ``async_op=True`` caller gets a handle that is already complete.
+Calls graft does not serve (other reduce ops such as AVG/PRODUCT, integer tensors) go to
+``torch.distributed`` exactly as without graft, and are counted as fallbacks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.comm.torch import TorchBackend
+
+from graft.adapters.deepspeed.stats import count
+
+# The dtypes graft's collectives ops are specified for.
+ROUTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_REDUCE_NAMES = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"))
+
+
+class CompletedWork:
+    """The handle an ``async_op=True`` caller gets: graft finished the collective already."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+
+def _done(async_op):
+    return CompletedWork() if async_op else None
+
+
+def _reduce_name(op):
+    for torch_op, name in _REDUCE_NAMES:
+        if op == torch_op:
+            return name
+    return None
+
+
+def _routable(*tensors) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.dtype in ROUTED_DTYPES for t in tensors)
+
+
+def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """The single routing target: one graft collective on a flat tensor, result returned.
+
+    ``kind`` is ``all_reduce``, ``all_gather`` or ``reduce_scatter`` (graft op names).
+    """
+    from graft.dispatch import select
+    from graft.ops import collectives
+
+    flat = x.reshape(-1)
+    if kind == "all_reduce":
+        args = (flat, group, op)
+        out = collectives.all_reduce(*args)
+    elif kind == "all_gather":
+        args = (flat, group)
+        out = collectives.all_gather(*args)
+    elif kind == "reduce_scatter":
+        args = (flat, group, op)
+        out = collectives.reduce_scatter(*args)
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    count(f"collectives.{kind}")
+    # Which graft implementation served it (selection is cached; the per-call check is cheap).
+    count(f"collectives.{kind}:{select(f'collectives.{kind}', *args).backend}")
+    return out
+
+
+class GraftTorchBackend(TorchBackend):
+    """DeepSpeed's torch.distributed backend with ZeRO's collectives served by graft."""
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        name = _reduce_name(self._reduce_op(op))
+        if name is None or not _routable(tensor):
+            count("fallback.all_reduce")
+            return super().all_reduce(tensor, op, group, async_op)
+        with torch.no_grad():
+            tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
+        return _done(async_op)
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        if not _routable(output_tensor, input_tensor) or output_tensor.dtype != input_tensor.dtype:
+            count("fallback.all_gather_into_tensor")
+            return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+        with torch.no_grad():
+            output_tensor.copy_(graft_collective("all_gather", input_tensor, group).view(output_tensor.shape))
+        return _done(async_op)
+
+    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        name = _reduce_name(self._reduce_op(op))
+        if name is None or not _routable(output_tensor, input_tensor) or output_tensor.dtype != input_tensor.dtype:
+            count("fallback.reduce_scatter_tensor")
+            return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+        with torch.no_grad():
+            output_tensor.copy_(graft_collective("reduce_scatter", input_tensor, group, name).view(output_tensor.shape))
+        return _done(async_op)
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        same = all(t.shape == tensor.shape and t.dtype == tensor.dtype for t in tensor_list)
+        if not same or not _routable(tensor):
+            count("fallback.all_gather")
+            return super().all_gather(tensor_list, tensor, group, async_op)
+        with torch.no_grad():
+            gathered = graft_collective("all_gather", tensor, group).view(len(tensor_list), *tensor.shape)
+            for dst, src in zip(tensor_list, gathered):
+                dst.copy_(src)
+        return _done(async_op)
+
+
+def install():
+    """Make new and existing DeepSpeed comm backends graft's; returns an undo function."""
+    import deepspeed.comm.comm as ds_comm
+
+    previous_class = ds_comm.TorchBackend
+    ds_comm.TorchBackend = GraftTorchBackend  # init_distributed() builds cdb from this name
+    swapped = None
+    if type(ds_comm.cdb) is TorchBackend:  # already initialized: same state, graft's methods
+        swapped = ds_comm.cdb
+        swapped.__class__ = GraftTorchBackend
+
+    def undo():
+        ds_comm.TorchBackend = previous_class
+        if swapped is not None and type(swapped) is GraftTorchBackend:
+            swapped.__class__ = TorchBackend
+
+    return undo
+
+
+def is_installed() -> bool:
+    import deepspeed.comm.comm as ds_comm
+
+    return ds_comm.TorchBackend is GraftTorchBackend or type(ds_comm.cdb) is GraftTorchBackend

@@ -1,0 +1,87 @@
+"""DeepSpeed op builders whose ``load()`` returns graft-backed op modules instead of
+compiling DeepSpeed's C++/CUDA extension.
+
+DeepSpeed asks its accelerator for a builder class by name (``"FusedAdamBuilder"``),
+then calls ``Builder().load()`` and uses attributes of the returned module
+(``fused_adam.multi_tensor_adam``). A graft builder keeps the builder's public face
+(``NAME``, ``is_compatible()``, ``absolute_name()``) so DeepSpeed's checks pass, and its
+``load()`` needs no compiler: the work goes through graft op dispatch, which picks the
+best registered implementation (a vendor kernel, or the torch reference).
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+from graft.adapters.deepspeed.stats import count
+
+
+class _GraftBuilder(OpBuilder):
+    """Common face of graft builders: always compatible, nothing to compile."""
+
+    NAME = ""
+    BUILD_VAR = ""
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"graft.adapters.deepspeed.op_builders.{type(self).__name__}"
+
+    def sources(self):
+        return []
+
+    def is_compatible(self, verbose=False):
+        return True
+
+    def builder(self):
+        raise RuntimeError(f"{type(self).__name__} is served by graft at run time; there is no extension to build")
+
+    def load(self, verbose=False):
+        return self.op_module()
+
+    def jit_load(self, verbose=False):
+        return self.op_module()
+
+    def op_module(self):
+        raise NotImplementedError
+
+
+class FusedAdamOps:
+    """What ``FusedAdamBuilder().load()`` returns: ``multi_tensor_adam`` over graft's ``fused.adam_step``."""
+
+    @staticmethod
+    def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, adam_w_mode,
+                          bias_correction, weight_decay):
+        # chunk_size and noop_flag belong to the CUDA multi-tensor-apply launcher; the graft op
+        # takes one whole tensor per call, and DeepSpeed's FusedAdam never sets the flag.
+        from graft.ops.optim import adam_step
+
+        grads, params, exp_avgs, exp_avg_sqs = tensor_lists
+        with torch.no_grad():
+            for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs):
+                new_p, new_m, new_v = adam_step(p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
+                                                int(step), float(weight_decay), bool(adam_w_mode),
+                                                bool(bias_correction))
+                p.copy_(new_p)
+                m.copy_(new_m)
+                v.copy_(new_v)
+        count("fused_adam.multi_tensor_adam")
+        count("fused.adam_step", len(params))
+
+
+class FusedAdamBuilder(_GraftBuilder):
+    """Replaces DeepSpeed's ``FusedAdamBuilder`` (used by ``deepspeed.ops.adam.FusedAdam``,
+    the default optimizer for ``"type": "Adam"/"AdamW"`` configs)."""
+
+    NAME = "fused_adam"
+    BUILD_VAR = "DS_BUILD_FUSED_ADAM"
+
+    def op_module(self):
+        return FusedAdamOps
+
+
+# Builder class name (as DeepSpeed asks for it) -> graft builder.
+BUILDERS = {
+    "FusedAdamBuilder": FusedAdamBuilder,
+}
