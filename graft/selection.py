@@ -150,7 +150,7 @@ def decide(
         level = logging.WARNING if explicit else logging.INFO
         _log_once(
             level,
-            (op, cand.impl.key, cand.reason),
+            (op, cand.impl.key, cand.reason, level),  # an explicit request still warns after a routine INFO
             f"{op}: {cand.impl.backend} ({cand.impl.provider}) skipped: {cand.reason}; using {selected.backend}",
         )
     return decision
