@@ -216,7 +216,40 @@ def w_custom_op_checks(rank, ws):
 
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x))
-    return True
+    return run_op_cases()
+
+
+def run_op_cases():
+    """Every quick OpCase of the family, every registered implementation forced by name,
+    against the op's reference (the multi-process half of graft's conformance)."""
+    from graft import dispatch
+    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.ops import collectives as C
+    from graft.plugins import get_registry
+
+    ran = 0
+    for case in C.CASES:
+        if "quick" not in case.tags:
+            continue
+        backends = [i.backend for i in get_registry().implementations(case.op)]
+        for dtype in case.dtypes:
+            args, kwargs = case.inputs("cpu", dtype)
+            want = get_registry().op(case.op).reference(*args, **kwargs)
+            for backend in backends:
+                reset_graft(**{"GRAFT_" + case.op.upper().replace(".", "_"): backend, "GRAFT_STRICT": "1",
+                               "GRAFT_OVERLAP_MIN_BYTES": "0", "GRAFT_QUANTIZED_GATHER_MIN_BYTES": "0"})
+                assert dispatch.select(case.op, *args, **kwargs).backend == backend, (case.id, backend)
+                got = dispatch.call(case.op, *args, **kwargs)
+                if backend == "int8":
+                    # blocks are per rank: bound each rank's slice of the exact gather
+                    world = torch.distributed.get_world_size()
+                    bound = torch.cat([error_bound(part, args[2]) for part in want.chunk(world)])
+                    assert bool(((got.float() - want.float()).abs() <= bound).all()), case.id
+                else:
+                    close(got, want, dtype, f"{case.id} {backend}")
+                ran += 1
+    reset_graft()
+    return ran
 
 
 def _catch(fn):
@@ -302,8 +335,11 @@ def test_gemm_collective_overlap_matches_non_overlapped_2_ranks():
 
 
 @pytest.mark.timeout(150)
-def test_custom_ops_opcheck_fake_tracing_compile_2_ranks():
-    assert run_ranks(w_custom_op_checks, 2, timeout=130) == [True, True]
+def test_custom_ops_opcheck_fake_tracing_compile_and_cases_2_ranks():
+    ran = run_ranks(w_custom_op_checks, 2, timeout=130)
+    # 8 quick cases x 3 dtypes: 3 all_reduce cases x (torch, oneshot, twoshot), all_gather and
+    # reduce_scatter x torch, quantized gather and the two overlap ops x (torch, optimized).
+    assert ran == [3 * (3 * 3 + 1 + 1 + 3 * 2)] * 2, ran
 
 
 @pytest.mark.timeout(120)
