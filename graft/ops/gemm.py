@@ -305,7 +305,15 @@ def _flops_w4a16(args, kwargs):
 
 _QUICK = frozenset({"quick"})
 _GPU = frozenset({"gpu"})
-_W4_DTYPES = (torch.float16, torch.bfloat16)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _case(op, name, make, dtypes, tags, flops):
+    return OpCase(op, name, make, dtypes, tags, flops=flops, reduction=_reduction_k)
+
+
+def _lead_name(lead):
+    return "x".join(map(str, lead))
 
 
 def _cases():
@@ -317,17 +325,19 @@ def _cases():
         ((64,), 48, 96, False, "gelu_erf"),
         ((2, 5), 33, 64, True, "silu"),
     ]:
-        name = f"m{'x'.join(map(str, lead))}_n{n}_k{k}{'_bias' if bias else ''}_{act}"
-        cases.append(OpCase("gemm.linear", name, _linear_inputs(lead, n, k, bias, act), FLOAT_DTYPES, _QUICK, flops=_flops_linear, reduction=_reduction_k))
+        name = f"m{_lead_name(lead)}_n{n}_k{k}{'_bias' if bias else ''}_{act}"
+        make = _linear_inputs(lead, n, k, bias, act)
+        cases.append(_case("gemm.linear", name, make, FLOAT_DTYPES, _QUICK, _flops_linear))
     for m, n, k, act in [(4096, 4096, 4096, "none"), (16, 4096, 4096, "none"), (2048, 11008, 4096, "silu")]:
-        cases.append(
-            OpCase("gemm.linear", f"m{m}_n{n}_k{k}_{act}", _linear_inputs((m,), n, k, False, act), (torch.float16, torch.bfloat16), _GPU, flops=_flops_linear, reduction=_reduction_k)
-        )
+        make = _linear_inputs((m,), n, k, False, act)
+        cases.append(_case("gemm.linear", f"m{m}_n{n}_k{k}_{act}", make, _HALF_DTYPES, _GPU, _flops_linear))
     for m, n, k, per_tensor, bias in [(1, 7, 16, False, False), (17, 48, 33, True, True), (64, 129, 128, False, True)]:
         name = f"m{m}_n{n}_k{k}_{'per_tensor' if per_tensor else 'per_token'}{'_bias' if bias else ''}"
-        cases.append(OpCase("gemm.w8a8", name, _w8a8_inputs(m, n, k, per_tensor, bias), W8A8_OUT_DTYPES, _QUICK, flops=_flops_w8a8, reduction=_reduction_k))
+        make = _w8a8_inputs(m, n, k, per_tensor, bias)
+        cases.append(_case("gemm.w8a8", name, make, W8A8_OUT_DTYPES, _QUICK, _flops_w8a8))
     for m, n, k in [(4096, 4096, 4096), (16, 4096, 4096)]:
-        cases.append(OpCase("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", _w8a8_inputs(m, n, k, False, False), W8A8_OUT_DTYPES, _GPU, flops=_flops_w8a8, reduction=_reduction_k))
+        make = _w8a8_inputs(m, n, k, False, False)
+        cases.append(_case("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", make, W8A8_OUT_DTYPES, _GPU, _flops_w8a8))
     for fmt in FORMATS:
         for lead, n, k, g, zeros, bias in [
             ((1,), 8, 32, 32, True, False),
@@ -335,12 +345,12 @@ def _cases():
             ((17,), 136, 128, 64, False, False),
             ((2, 3), 16, 256, 128, True, False),
         ]:
-            name = f"{fmt}_m{'x'.join(map(str, lead))}_n{n}_k{k}_g{g}{'' if zeros else '_sym'}{'_bias' if bias else ''}"
-            cases.append(OpCase("gemm.w4a16", name, _w4a16_inputs(lead, n, k, g, fmt, zeros, bias), _W4_DTYPES, _QUICK, flops=_flops_w4a16, reduction=_reduction_k))
+            name = f"{fmt}_m{_lead_name(lead)}_n{n}_k{k}_g{g}{'' if zeros else '_sym'}{'_bias' if bias else ''}"
+            make = _w4a16_inputs(lead, n, k, g, fmt, zeros, bias)
+            cases.append(_case("gemm.w4a16", name, make, _HALF_DTYPES, _QUICK, _flops_w4a16))
         for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
-            cases.append(
-                OpCase("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", _w4a16_inputs((m,), n, k, 128, fmt), _W4_DTYPES, _GPU, flops=_flops_w4a16, reduction=_reduction_k)
-            )
+            make = _w4a16_inputs((m,), n, k, 128, fmt)
+            cases.append(_case("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", make, _HALF_DTYPES, _GPU, _flops_w4a16))
     return cases
 
 
