@@ -1,0 +1,30 @@
+"""graft inside Megatron-core: a ``ModuleSpec`` provider whose norms, linear layers, core
+attention and MoE experts run on graft ops.
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+    layer_spec = get_gpt_layer_graft_spec(num_experts=None, qk_layernorm=False)
+    model = GPTModel(config, transformer_layer_spec=layer_spec, ...)
+
+``GRAFT_MEGATRON=0`` makes ``get_gpt_layer_graft_spec`` return Megatron's own local spec.
+Importing this package does not import Megatron; the spec helpers do, on first use.
+"""
+from graft.adapters.megatron.activation import ENV_VAR, SUPPORTED, activate, enabled, integration
+from graft.adapters.megatron.stats import calls
+
+
+def get_gpt_layer_graft_spec(*args, **kwargs):
+    from graft.adapters.megatron.spec import get_gpt_layer_graft_spec as build
+
+    return build(*args, **kwargs)
+
+
+def __getattr__(name):
+    if name == "GraftSpecProvider":
+        from graft.adapters.megatron.spec import GraftSpecProvider
+
+        return GraftSpecProvider
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ENV_VAR", "SUPPORTED", "activate", "enabled", "integration", "calls", "get_gpt_layer_graft_spec",
+           "GraftSpecProvider"]

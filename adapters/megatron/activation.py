@@ -1,0 +1,50 @@
+"""The Megatron-core integration's switch and version gate.
+
+Megatron-core has no plugin hook: a model's layers come from the ``ModuleSpec`` the
+training code passes in. So graft is used by passing graft's spec
+(``graft.adapters.megatron.get_gpt_layer_graft_spec()``); ``GRAFT_MEGATRON=0`` makes that
+function return Megatron's own local spec instead, and :func:`activate` only checks that
+the installed megatron-core is supported.
+"""
+from __future__ import annotations
+
+import logging
+
+from graft import config
+from graft.integration import FrameworkIntegration
+
+log = logging.getLogger("graft.adapters.megatron")
+
+ENV_VAR = config.declare_env_var(
+    "GRAFT_MEGATRON", "0: get_gpt_layer_graft_spec() returns Megatron's own local spec (no graft modules); default 1"
+)
+SUPPORTED = ">=0.16,<0.17"
+
+
+def integration() -> FrameworkIntegration:
+    return FrameworkIntegration(
+        name="megatron",
+        distribution="megatron-core",
+        supported=SUPPORTED,
+        activate=activate,
+        description="ModuleSpec provider: RMSNorm -> fused.rms_norm, linears -> gemm.linear, core attention -> "
+        "attention.prefill, MoE experts -> moe.fused_experts",
+        env_var=ENV_VAR,
+        notes=["opt-in per model: build layers with graft.adapters.megatron.get_gpt_layer_graft_spec()"],
+    )
+
+
+def enabled() -> bool:
+    """False when switched off by env var; raises a clear error on a missing/unsupported megatron-core."""
+    integ = integration()
+    ok, why = integ.status()
+    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
+        log.info("graft's Megatron-core integration is off (%s): using Megatron's local spec", why)
+        return False
+    integ.check_version()
+    return True
+
+
+def activate() -> bool:
+    """Check the switch and the version (Megatron needs no patching: graft's spec is passed in)."""
+    return enabled()

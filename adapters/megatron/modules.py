@@ -1,0 +1,226 @@
+"""Megatron-core submodules whose compute goes through graft ops.
+
+Each class keeps the Megatron module it stands in for (constructor, parameters and their
+names, tensor-parallel attributes, sharded state dict), so a layer built from graft's spec
+loads the same checkpoints as one built from Megatron's local spec. Only the local compute
+changes:
+
+* ``GraftColumnParallelLinear`` / ``GraftRowParallelLinear``: the per-rank GEMM is
+  ``gemm.linear``; Megatron's tensor-parallel communication around it is unchanged.
+* ``GraftRMSNorm``: ``fused.rms_norm``.
+* ``GraftDotProductAttention``: ``attention.prefill`` (causal / no-mask / packed ``thd``).
+* ``GraftSequentialMLP``: MoE experts as one ``moe.fused_experts`` call.
+
+When a call needs a feature the graft path does not cover (listed per class), the module
+runs Megatron's own code for it and counts a ``fallback.*`` in
+:data:`graft.adapters.megatron.stats.calls`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from graft.adapters.megatron._autograd import call_with_reference_grad
+from graft.adapters.megatron.stats import count
+
+# ---------------------------------------------------------------------------- linear layers
+
+
+def graft_linear(x, weight, bias=None):
+    from graft.ops import gemm
+
+    return call_with_reference_grad("gemm.linear", gemm.linear, gemm.linear_reference, x, weight, bias)
+
+
+def _megatron_gemm_reason(kwargs) -> str | None:
+    """Why this local GEMM must stay Megatron's (its autograd function does the comm), or None."""
+    if kwargs.get("gradient_accumulation_fusion"):
+        return "gradient_accumulation_fusion"
+    if kwargs.get("allreduce_dgrad"):
+        return "allreduce_dgrad (tensor parallel > 1)"
+    if kwargs.get("sequence_parallel"):
+        return "sequence_parallel"
+    if kwargs.get("grad_output_buffer") is not None:
+        return "deferred embedding wgrad"
+    return None
+
+
+class _GraftLocalGemm:
+    """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if args or _megatron_gemm_reason(kwargs):
+            count(f"fallback.{type(self).__name__}")
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return graft_linear(input, weight, kwargs.get("bias"))
+
+
+class GraftColumnParallelLinear(_GraftLocalGemm, ColumnParallelLinear):
+    """``ColumnParallelLinear`` with its per-rank GEMM on ``gemm.linear``; returns ``(output, bias)``."""
+
+
+class GraftRowParallelLinear(_GraftLocalGemm, RowParallelLinear):
+    """``RowParallelLinear`` with its per-rank GEMM on ``gemm.linear``; returns ``(output, bias)``."""
+
+
+# ---------------------------------------------------------------------------- RMSNorm
+
+
+class GraftRMSNorm(torch.nn.Module):
+    """RMSNorm on ``fused.rms_norm``; the parameter is ``weight`` like ``torch.nn.RMSNorm``'s.
+
+    Built by Megatron as ``build_module(spec, config=..., hidden_size=..., eps=...)``.
+    ``layernorm_zero_centered_gamma`` is honoured (the scale is ``1 + weight``).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.zero_centered_gamma = bool(zero_centered_gamma or getattr(config, "layernorm_zero_centered_gamma", False))
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x):
+        from graft.ops import fused
+
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return call_with_reference_grad("fused.rms_norm", fused.rms_norm, fused.rms_norm_reference, x, weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+# ---------------------------------------------------------------------------- core attention
+
+
+def _prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    from graft.ops import attention
+
+    return call_with_reference_grad(
+        "attention.prefill", attention.prefill, attention.prefill_reference, q, k, v, cu_q, cu_k, max_q, max_k,
+        causal, scale,
+    )
+
+
+class GraftDotProductAttention(DotProductAttention):
+    """Megatron's local core attention with the attention itself on ``attention.prefill``.
+
+    Inputs as Megatron's: ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]``
+    (GQA when ``ng < np``); output ``[sq, b, np * hn]``. Served by graft: causal or unmasked
+    attention with ``attention_mask=None``, and packed sequences (``packed_seq_params``,
+    ``thd``), which Megatron's local class does not support. Megatron's own path serves an
+    explicit ``attention_mask`` tensor, attention dropout while training, attention
+    bias, non-vanilla softmax, sliding windows and query-key layer scaling.
+    """
+
+    def _megatron_reason(self, attention_mask, attention_bias, mask_type) -> str | None:
+        if attention_mask is not None:
+            return "explicit attention_mask"
+        if attention_bias is not None:
+            return "attention_bias"
+        if self.training and self.attention_dropout.p > 0:
+            return "attention dropout"
+        if self.config.softmax_type != "vanilla":
+            return f"softmax_type={self.config.softmax_type}"
+        if self.config.window_size is not None:
+            return "sliding window"
+        if self.config.apply_query_key_layer_scaling:
+            return "apply_query_key_layer_scaling"
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
+            return f"mask type {mask_type}"
+        return None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        reason = self._megatron_reason(attention_mask, attention_bias, mask_type)
+        if reason is not None:
+            if packed_seq_params is not None:
+                raise NotImplementedError(f"graft's core attention cannot serve packed sequences with {reason}")
+            count("fallback.GraftDotProductAttention")
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
+        causal = mask_type == AttnMaskType.causal
+        if packed_seq_params is not None:
+            # thd layout: [t, 1, heads, dim], sequences delimited by cu_seqlens.
+            p = packed_seq_params
+            out = _prefill(query.squeeze(1), key.squeeze(1), value.squeeze(1), p.cu_seqlens_q.int(),
+                           p.cu_seqlens_kv.int(), int(p.max_seqlen_q), int(p.max_seqlen_kv), causal,
+                           self.softmax_scale)
+            return out.reshape(out.shape[0], 1, -1)
+        sq, batch = query.shape[:2]
+        sk = key.shape[0]
+        # [s, b, h, d] -> packed [b*s, h, d]: each batch element is one sequence.
+        q = query.transpose(0, 1).reshape(batch * sq, *query.shape[2:])
+        k = key.transpose(0, 1).reshape(batch * sk, *key.shape[2:])
+        v = value.transpose(0, 1).reshape(batch * sk, *value.shape[2:])
+        cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=query.device)
+        cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32, device=query.device)
+        out = _prefill(q, k, v, cu_q, cu_k, sq, sk, causal, self.softmax_scale)
+        return out.view(batch, sq, -1).transpose(0, 1).contiguous()
+
+
+# ---------------------------------------------------------------------------- MoE experts
+
+
+class GraftSequentialMLP(SequentialMLP):
+    """``SequentialMLP`` (one MLP per local expert, same parameters and checkpoints) whose
+    forward is one ``moe.fused_experts`` call over all local experts.
+
+    Megatron's token dispatcher hands the experts tokens already grouped by expert
+    (``tokens_per_expert``) with their routing probabilities; each row is one (token,
+    expert) pair, i.e. top-1 over the local experts with weight = its probability. Served
+    by graft: SwiGLU experts (``gated_linear_unit`` with ``F.silu``) without biases,
+    clamps, offsets, fp8/fp4 or expert tensor parallelism; otherwise Megatron's loop runs.
+    """
+
+    def _megatron_reason(self) -> str | None:
+        c = self.config
+        if not (c.gated_linear_unit and c.activation_func is F.silu):
+            return "experts are not SwiGLU"
+        if c.add_bias_linear:
+            return "expert biases"
+        if getattr(c, "activation_func_clamp_value", None) is not None or getattr(c, "glu_linear_offset", 0.0):
+            return "GLU clamp/offset"
+        if c.fp8 or getattr(c, "fp4", None):
+            return "fp8/fp4"
+        if c.moe_apply_probs_on_input:
+            return "moe_apply_probs_on_input"
+        if any(e.linear_fc1.tp_group.size() > 1 for e in self.local_experts):
+            return "expert tensor parallelism"
+        return None
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        reason = self._megatron_reason()
+        if reason is not None:
+            count("fallback.GraftSequentialMLP")
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        from graft.ops import moe
+
+        hidden = permuted_local_hidden_states
+        w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]: gate rows, then up
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
+        counts = torch.as_tensor(tokens_per_expert, device=hidden.device).long()
+        expert_ids = torch.repeat_interleave(torch.arange(len(self.local_experts), device=hidden.device), counts)
+        topk_ids = expert_ids.to(torch.int32).unsqueeze(1)
+        topk_weights = permuted_probs.to(hidden.dtype).unsqueeze(1)
+        out = call_with_reference_grad("moe.fused_experts", moe.fused_experts, moe.fused_experts_reference,
+                                       hidden, w13, w2, topk_weights, topk_ids, "silu")
+        return out, None
+
+
+__all__ = [
+    "GraftColumnParallelLinear",
+    "GraftRowParallelLinear",
+    "GraftRMSNorm",
+    "GraftDotProductAttention",
+    "GraftSequentialMLP",
+]

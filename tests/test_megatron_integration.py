@@ -1,0 +1,277 @@
+"""graft's ModuleSpec provider inside the real megatron-core (0.16.x) on the CPU.
+
+A GPT ``TransformerLayer`` built from ``get_gpt_layer_graft_spec()`` and one built from
+Megatron's ``get_gpt_layer_local_spec()`` get the same weights (the state dicts have the
+same keys) and must agree, forward and backward, in fp32.
+
+What runs where (megatron-core 0.16.1 on a CPU-only torch):
+
+* graft's layer (norms, linears, core attention, MoE experts) needs no CUDA.
+* Megatron's local ``DotProductAttention`` (the reference here) hard-codes CUDA in three
+  places: its score buffer (``parallel_state.get_global_memory_buffer()`` allocates on
+  ``torch.cuda.current_device()``), the dropout RNG tracker fork, and the default causal
+  mask (``device="cuda"``). The fixture installs CPU stand-ins for the first two and the
+  reference layer gets an explicit causal mask; its attention math is unchanged.
+* A full MoE layer forward needs CUDA: ``TopKRouter.gating`` moves the router weight to
+  ``torch.cuda.current_device()`` unconditionally (and the all-to-all dispatcher creates a
+  ``torch.cuda.Stream``). On the CPU the MoE layer is *built* from graft's spec and its
+  experts submodule (graft's fused-experts path) is run against Megatron's
+  ``SequentialMLP``; ``test_moe_layer_matches_local_spec_gpu`` runs the whole MoE layer
+  when ``GRAFT_TEST_DEVICE=cuda``.
+"""
+import contextlib
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from graft.errors import GraftError  # noqa: E402
+
+HIDDEN, HEADS, GROUPS, FFN = 64, 4, 2, 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _CpuMemoryBuffer:
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(*shape, dtype=dtype)
+
+
+class _NoForkRngTracker:
+    def fork(self, name=None):
+        return contextlib.nullcontext()
+
+    def is_initialized(self):
+        return True
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """A 1-rank gloo world with Megatron's model-parallel state, plus the CPU stand-ins."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        created = True
+    parallel_state.initialize_model_parallel(1, 1)
+    saved = (parallel_state._GLOBAL_MEMORY_BUFFER, mrandom._CUDA_RNG_STATE_TRACKER,
+             mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+        mrandom._CUDA_RNG_STATE_TRACKER = _NoForkRngTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    else:
+        mrandom.model_parallel_cuda_manual_seed(1234)
+    yield
+    (parallel_state._GLOBAL_MEMORY_BUFFER, mrandom._CUDA_RNG_STATE_TRACKER,
+     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED) = saved
+    parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def _config(**extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                  ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
+                  attention_dropout=0.0, use_cpu_initialization=True, bias_activation_fusion=False,
+                  masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def _build_pair(config, **spec_kwargs):
+    """(local layer, graft layer) with identical weights."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+
+    torch.manual_seed(0)
+    local = build_module(get_gpt_layer_local_spec(normalization="RMSNorm", **spec_kwargs), config=config,
+                         layer_number=1)
+    grafted = build_module(get_gpt_layer_graft_spec(normalization="RMSNorm", **spec_kwargs), config=config,
+                           layer_number=1)
+    state = local.state_dict()
+    # Non-default norm scales, so the norms' weights matter to the comparison.
+    for key in state:
+        if key.endswith("layernorm.weight"):
+            state[key] = 1.0 + 0.1 * torch.randn(state[key].shape)
+    local.load_state_dict(state)
+    missing, unexpected = grafted.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    return local, grafted
+
+
+def _causal_mask(seq):
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+
+
+@pytest.fixture
+def calls(fresh_graft):
+    from graft.adapters.megatron import stats
+
+    stats.reset()
+    return stats.calls
+
+
+@pytest.mark.parametrize("qk_layernorm", [False, True])
+def test_dense_layer_matches_local_spec(megatron_cpu, calls, qk_layernorm):
+    from graft.adapters.megatron.modules import (
+        GraftColumnParallelLinear,
+        GraftDotProductAttention,
+        GraftRMSNorm,
+        GraftRowParallelLinear,
+    )
+
+    local, grafted = _build_pair(_config(), qk_layernorm=qk_layernorm)
+    attn = grafted.self_attention
+    assert isinstance(grafted.input_layernorm, GraftRMSNorm)
+    assert isinstance(grafted.pre_mlp_layernorm, GraftRMSNorm)
+    assert isinstance(attn.linear_qkv, GraftColumnParallelLinear)
+    assert isinstance(attn.linear_proj, GraftRowParallelLinear)
+    assert isinstance(attn.core_attention, GraftDotProductAttention)
+    assert isinstance(grafted.mlp.linear_fc1, GraftColumnParallelLinear)
+    assert isinstance(grafted.mlp.linear_fc2, GraftRowParallelLinear)
+    assert isinstance(attn.q_layernorm, GraftRMSNorm) == qk_layernorm
+
+    seq, batch = 13, 2  # odd sequence length
+    x = torch.randn(seq, batch, HIDDEN)
+    x_ref, x_graft = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, _ = local(x_ref, attention_mask=_causal_mask(seq))
+    out_graft, _ = grafted(x_graft, attention_mask=None)  # causal by the spec's mask type
+    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out_graft.backward(grad)
+    torch.testing.assert_close(x_graft.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for name, p in local.named_parameters():
+        q = dict(grafted.named_parameters())[name]
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+    served = {key.split(":")[0] for key, n in calls.items() if n and not key.startswith("fallback.")}
+    assert {"fused.rms_norm", "gemm.linear", "attention.prefill"} <= served, dict(calls)
+    assert not [k for k in calls if k.startswith("fallback.")], dict(calls)
+
+
+def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls):
+    local, grafted = _build_pair(_config())
+    x = torch.randn(5, 1, HIDDEN)
+    with torch.no_grad():
+        out_ref, _ = local(x, attention_mask=_causal_mask(5))
+        out_graft, _ = grafted(x, attention_mask=_causal_mask(5))
+    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+    assert calls["fallback.GraftDotProductAttention"] == 1
+
+
+def test_packed_sequences_match_per_sequence_attention(megatron_cpu, calls):
+    """thd packing (which Megatron's local attention rejects) equals attending each sequence alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from graft.adapters.megatron.modules import GraftDotProductAttention
+
+    core = GraftDotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self")
+    head_dim = HIDDEN // HEADS
+    lengths = [3, 7, 1]
+    q = torch.randn(sum(lengths), 1, HEADS, head_dim)
+    k = torch.randn(sum(lengths), 1, GROUPS, head_dim)
+    v = torch.randn(sum(lengths), 1, GROUPS, head_dim)
+    cu = torch.tensor([0, 3, 10, 11], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    out = core(q, k, v, None, packed_seq_params=packed)
+    assert out.shape == (11, 1, HIDDEN)
+    for start, n in zip([0, 3, 10], lengths):
+        alone = core(q[start:start + n], k[start:start + n], v[start:start + n], None)
+        torch.testing.assert_close(out[start:start + n], alone, rtol=1e-5, atol=1e-6)
+    # Independent check of one sequence against plain softmax attention.
+    qs, ks, vs = q[3:10, 0], k[3:10, 0].repeat_interleave(2, 1), v[3:10, 0].repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,khd->hqk", qs, ks) / head_dim**0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(7, 7, dtype=torch.bool), 1), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs).reshape(7, HIDDEN)
+    torch.testing.assert_close(out[3:10, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_token_dispatcher_type="allgather")
+
+
+def test_moe_experts_match_sequential_mlp(megatron_cpu, calls):
+    from graft.adapters.megatron.modules import GraftColumnParallelLinear, GraftSequentialMLP
+
+    local, grafted = _build_pair(_config(**MOE), num_experts=4)
+    experts = grafted.mlp.experts
+    assert isinstance(experts, GraftSequentialMLP)
+    assert isinstance(experts.local_experts[0].linear_fc1, GraftColumnParallelLinear)
+    assert type(local.mlp.experts).__name__ == "SequentialMLP"
+
+    tokens_per_expert = torch.tensor([3, 0, 6, 2])  # one expert gets no token
+    hidden = torch.randn(11, HIDDEN)
+    probs = torch.rand(11)
+    h_ref, h_graft = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    out_ref, bias_ref = local.mlp.experts(h_ref, tokens_per_expert, probs)
+    out_graft, bias_graft = experts(h_graft, tokens_per_expert, probs)
+    assert bias_ref is None and bias_graft is None
+    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+    out_ref.sum().backward()
+    out_graft.sum().backward()
+    torch.testing.assert_close(h_graft.grad, h_ref.grad, rtol=1e-4, atol=1e-5)
+    w_ref = local.mlp.experts.local_experts[2].linear_fc1.weight.grad
+    w_graft = experts.local_experts[2].linear_fc1.weight.grad
+    torch.testing.assert_close(w_graft, w_ref, rtol=1e-4, atol=1e-5)
+    assert any(k.startswith("moe.fused_experts:") for k in calls), dict(calls)
+
+
+@pytest.mark.gpu
+def test_moe_layer_matches_local_spec_gpu(megatron_cpu, calls, device):
+    if device.type != "cuda":
+        pytest.skip("Megatron's MoE router moves its weight to CUDA: the full MoE layer needs a GPU")
+    local, grafted = _build_pair(_config(**MOE), num_experts=4)
+    local, grafted = local.to(device), grafted.to(device)
+    x = torch.randn(9, 2, HIDDEN, device=device)
+    with torch.no_grad():
+        out_ref, _ = local(x, attention_mask=None)
+        out_graft, _ = grafted(x, attention_mask=None)
+    torch.testing.assert_close(out_graft, out_ref, rtol=1e-3, atol=1e-4)
+    assert any(k.startswith("moe.fused_experts:") for k in calls), dict(calls)
+
+
+def test_env_var_off_gives_megatron_local_spec(megatron_cpu, calls, monkeypatch):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+
+    monkeypatch.setenv("GRAFT_MEGATRON", "0")
+    layer = build_module(get_gpt_layer_graft_spec(normalization="RMSNorm"), config=_config(), layer_number=1)
+    assert not [m for m in layer.modules() if type(m).__module__.startswith("graft.")]
+    assert type(layer.self_attention.linear_qkv).__name__ == "ColumnParallelLinear"
+
+
+def test_unsupported_version_is_a_clear_error(fresh_graft, monkeypatch):
+    from graft.adapters.megatron import activation, get_gpt_layer_graft_spec
+
+    monkeypatch.setattr(activation, "SUPPORTED", ">=0.17,<0.18")
+    with pytest.raises(GraftError, match=r"does not support this version: megatron-core 0\.16\.\d+ is outside"):
+        get_gpt_layer_graft_spec()
+
+
+def test_integration_is_declared(fresh_graft):
+    from graft.integration import integrations
+
+    (integ,) = [i for i in integrations() if i.name == "megatron"]
+    assert integ.env_var == "GRAFT_MEGATRON"
+    assert integ.status()[0], integ.status()
+    assert integ.activate() is True
