@@ -1,0 +1,53 @@
+"""graft adapter plugin (group ``graft.adapters``) describing the vLLM integration.
+
+``graft info`` lists it with its status; ``activate`` is what vLLM's plugin hook runs.
+"""
+from __future__ import annotations
+
+from graft import config
+from graft.hookspecs import hookimpl
+from graft.integration import FrameworkIntegration
+
+SUPPORTED = ">=0.33,<0.34"
+
+ENV_VAR = config.declare_env_var("GRAFT_VLLM", "0: keep graft out of vLLM (no custom ops, no attention backend)")
+OPS_ENV_VAR = config.declare_env_var(
+    "GRAFT_VLLM_OPS",
+    "which vLLM layers graft replaces (comma list of rms_norm, silu_and_mul, rotary_embedding, linear, moe, "
+    "attention); default: all",
+)
+ATTENTION_OVERRIDE_ENV_VAR = config.declare_env_var(
+    "GRAFT_VLLM_ATTENTION_OVERRIDE",
+    "name of a built-in vLLM attention backend (e.g. TRITON_ATTN) to serve with graft's backend instead",
+)
+
+
+def _activate():
+    from graft.adapters.vllm.plugin import activate
+
+    return activate()
+
+
+INTEGRATION = FrameworkIntegration(
+    name="vllm",
+    distribution="vllm",
+    supported=SUPPORTED,
+    activate=_activate,
+    description="vLLM general plugin: RMSNorm/SiluAndMul/RotaryEmbedding CustomOps, unquantized linear and "
+    "fused-MoE methods, and the GRAFT attention backend, all calling graft ops",
+    env_var=ENV_VAR,
+    notes=[
+        "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
+        "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",
+    ],
+)
+
+
+@hookimpl
+def graft_adapter_info():
+    return {"description": "vLLM integration (out-of-tree CustomOps and attention backend)"}
+
+
+@hookimpl
+def graft_framework_integrations():
+    return [INTEGRATION]

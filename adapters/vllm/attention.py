@@ -1,0 +1,282 @@
+"""The ``GRAFT`` attention backend for vLLM 0.33's v1 engine, computed by graft's ops.
+
+* decode requests (one query token) -> ``attention.decode_paged`` on the paged cache;
+* prefill / chunked-prefill requests -> ``attention.prefill`` (varlen, causal
+  bottom-right): on the fresh keys/values when no request has cached context, else on
+  keys/values gathered from the paged cache (which already holds this step's tokens).
+
+KV cache: vLLM 0.33 hands each layer a logical ``[num_blocks, num_kv_heads, block_size,
+2 * head_size]`` tensor (keys then values in the last dim, any physical stride order);
+``kv_cache.transpose(1, 2).split(head_size, -1)`` gives the two
+``[num_blocks, block_size, num_kv_heads, head_size]`` views graft's decode op takes
+without copies. The cache write (a scatter by ``slot_mapping``) is plain torch.
+
+Scope (refused in ``__init__`` or through the ``supports_*`` hooks, so vLLM chooses
+another backend or says why): decoder self-attention only; no ALiBi, sliding window,
+logits soft-cap, attention sinks, or quantized (fp8) KV cache; no CUDA graphs for
+attention (the builder reads lengths on the host).
+
+Select it with ``--attention-backend GRAFT`` (``AttentionConfig(backend="GRAFT")``), or
+let ``GRAFT_VLLM_ATTENTION_OVERRIDE=TRITON_ATTN`` route a built-in backend to it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+
+from graft.ops import attention as graft_attention
+
+log = logging.getLogger("graft.vllm")
+
+BACKEND_NAME = "GRAFT"
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+    """Logical per-layer KV cache shape vLLM 0.33 passes to ``forward``."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer cache -> (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_size] (views)."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+@dataclass
+class GraftAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context incl. this step's tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, -1 = padding
+    causal: bool
+    # Requests [0, num_decodes) have one query token each (vLLM reorders them first).
+    num_decodes: int
+    num_decode_tokens: int
+    # The remaining (prefill) requests, offsets relative to their first token.
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_cu_seqlens_k: torch.Tensor | None = None
+    prefill_max_seqlen_q: int = 0
+    prefill_max_seqlen_k: int = 0
+    # Where each prefill request's context lives in the paged cache, when any request
+    # has cached context (chunked prefill, prefix caching); None: use the fresh k/v.
+    prefill_kv_blocks: torch.Tensor | None = None
+    prefill_kv_offsets: torch.Tensor | None = None
+
+
+def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(lengths, 0)
+    return out
+
+
+class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        # Single-token requests first, so decodes form one leading slice of the batch.
+        self._init_reorder_batch_threshold(1)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> GraftAttentionMetadata:
+        m = common_attn_metadata
+        num_reqs = m.num_reqs
+        query_lens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[:num_reqs].to(torch.int32)
+        seq_lens = m.seq_lens[:num_reqs].to("cpu", torch.int32)
+        is_decode = query_lens == 1
+        num_decodes = num_reqs if bool(is_decode.all()) else int((~is_decode).int().argmax())
+        num_decode_tokens = num_decodes
+        meta = GraftAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens[:num_reqs].to(torch.int32),
+            block_table=m.block_table_tensor[:num_reqs].to(torch.int32),
+            slot_mapping=m.slot_mapping,
+            causal=bool(m.causal) if not isinstance(m.causal, torch.Tensor) else bool(m.causal.all()),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+        )
+        if num_decodes == num_reqs:
+            return meta
+        p_query = query_lens[num_decodes:]
+        p_seq = seq_lens[num_decodes:]
+        dev = m.query_start_loc.device
+        meta.prefill_cu_seqlens_q = _cumsum0(p_query).to(dev)
+        meta.prefill_cu_seqlens_k = _cumsum0(p_seq).to(dev)
+        meta.prefill_max_seqlen_q = int(p_query.max())
+        meta.prefill_max_seqlen_k = int(p_seq.max())
+        if bool((p_seq != p_query).any()):
+            # Token j of prefill request r sits in block block_table[r, j // bs] at j % bs.
+            req = torch.repeat_interleave(torch.arange(p_seq.numel()), p_seq.long())
+            pos = torch.arange(int(p_seq.sum())) - torch.repeat_interleave(_cumsum0(p_seq)[:-1].long(), p_seq.long())
+            req, pos = req.to(dev), pos.to(dev)
+            meta.prefill_kv_blocks = meta.block_table[num_decodes + req, pos // self.block_size].long()
+            meta.prefill_kv_offsets = pos % self.block_size
+        return meta
+
+
+class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **unsupported_options,
+    ) -> None:
+        unsupported = [
+            what
+            for what, present in (
+                ("ALiBi", alibi_slopes is not None),
+                ("sliding window", sliding_window is not None),
+                ("logits soft-cap", bool(logits_soft_cap)),
+                ("attention sinks", sinks is not None),
+                (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype not in ("auto", "float16", "bfloat16")),
+                (f"attn_type={attn_type}", attn_type != AttentionType.DECODER),
+            )
+            if present
+        ]
+        if unsupported:
+            raise NotImplementedError(f"graft's GRAFT attention backend does not support {', '.join(unsupported)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """Write this step's keys/values into their slots (slot -1 = padding token)."""
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        block_size = key_cache.shape[1]
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        slots = slots[keep]
+        blocks, offsets = slots // block_size, slots % block_size
+        key_cache[blocks, offsets] = key[:n][keep].to(key_cache.dtype)
+        value_cache[blocks, offsets] = value[:n][keep].to(value_cache.dtype)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: GraftAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("graft's GRAFT attention backend does not fuse output quantization")
+        if attn_metadata is None:  # vLLM's profiling run
+            return output.fill_(0)
+        m = attn_metadata
+        out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        nd = m.num_decode_tokens
+        if m.num_decodes:
+            out[:nd] = graft_attention.decode_paged(
+                query[:nd],
+                key_cache,
+                value_cache,
+                m.block_table[: m.num_decodes],
+                m.seq_lens[: m.num_decodes],
+                softmax_scale=self.scale,
+            )
+        if m.prefill_cu_seqlens_q is not None:
+            q = query[nd : m.num_actual_tokens]
+            if m.prefill_kv_blocks is None:
+                k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
+            else:
+                k = key_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
+                v = value_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
+            out[nd:] = graft_attention.prefill(
+                q,
+                k,
+                v,
+                m.prefill_cu_seqlens_q,
+                m.prefill_cu_seqlens_k,
+                m.prefill_max_seqlen_q,
+                m.prefill_max_seqlen_k,
+                causal=m.causal,
+                softmax_scale=self.scale,
+            )
+        return output
+
+
+class GraftAttentionBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    forward_includes_kv_cache_update: bool = False
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[GraftAttentionImpl]:
+        return GraftAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[GraftAttentionMetadataBuilder]:
+        return GraftAttentionMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True  # graft's own selection decides which kernel serves the device
+
+    get_kv_cache_shape = staticmethod(kv_cache_shape)
+
+
+CLASS_PATH = f"{GraftAttentionBackend.__module__}.{GraftAttentionBackend.__qualname__}"
+
+
+def register(parts=("attention",)) -> dict:
+    """Register the GRAFT backend (and, if asked, serve a built-in backend name with it)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME in AttentionBackendEnum.__members__:
+        current = AttentionBackendEnum[BACKEND_NAME].get_path()
+        status = "registered" if current == CLASS_PATH else f"skipped: GRAFT is already {current}"
+    else:
+        register_backend(BACKEND_NAME, CLASS_PATH)
+        status = "registered"
+    override = os.environ.get("GRAFT_VLLM_ATTENTION_OVERRIDE", "").strip().upper()
+    if override:
+        register_backend(AttentionBackendEnum[override], CLASS_PATH)  # ValueError names the valid backends
+        status += f"; serves {override}"
+    return {"attention": status}

@@ -1,0 +1,96 @@
+"""vLLM's entry point into graft (group ``vllm.general_plugins``, name ``graft``).
+
+vLLM runs :func:`register` once per process (API server, engine core, every worker),
+before models are built. It must be idempotent and must never break vLLM: any
+problem is logged and graft simply stays out.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+
+from graft import config
+from graft.errors import GraftConfigError
+
+log = logging.getLogger("graft.vllm")
+
+# The vLLM layers graft can take over; GRAFT_VLLM_OPS picks a subset.
+PARTS = ("rms_norm", "silu_and_mul", "rotary_embedding", "linear", "moe", "attention")
+
+# Which module of this package registers each part (its ``register(parts) -> dict``).
+_MODULE_OF = {
+    "rms_norm": "custom_ops",
+    "silu_and_mul": "custom_ops",
+    "rotary_embedding": "custom_ops",
+    "linear": "linear",
+    "moe": "moe",
+    "attention": "attention",
+}
+
+_lock = threading.Lock()
+_summary: dict | None = None  # what activate() did, once it ran
+
+
+def selected_parts(environ=None) -> tuple:
+    env = os.environ if environ is None else environ
+    raw = env.get("GRAFT_VLLM_OPS")
+    if raw is None:
+        return PARTS
+    names = config.split_list(raw)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown or not names:
+        raise GraftConfigError(
+            f"GRAFT_VLLM_OPS={raw!r}: unknown or empty; give a comma-separated list of {', '.join(PARTS)}"
+        )
+    return tuple(p for p in PARTS if p in names)
+
+
+def register() -> None:
+    """Called by vLLM (``vllm.plugins.load_general_plugins``). Never raises."""
+    try:
+        from graft.adapters.vllm.adapter import INTEGRATION
+
+        config.configure_logging()
+        ok, why = INTEGRATION.status()
+        if not ok:
+            unsupported = "outside the supported range" in why or "not a valid version" in why
+            log.log(
+                logging.WARNING if unsupported else logging.INFO,
+                "graft: vLLM integration not activated: %s%s",
+                why,
+                " (graft kernels stay out of vLLM; vLLM runs unchanged)" if unsupported else "",
+            )
+            return
+        activate()
+    except Exception as exc:  # a graft problem must not take vLLM down
+        log.warning("graft: vLLM integration failed to activate, vLLM runs unchanged: %s: %s", type(exc).__name__, exc)
+
+
+def activate() -> dict:
+    """Register graft's replacements with vLLM (idempotent). Returns {part: what happened}."""
+    global _summary
+    with _lock:
+        if _summary is not None:
+            return _summary
+        parts = selected_parts()
+        summary: dict = {}
+        for part in parts:
+            if part in summary:
+                continue  # registered together with an earlier part
+            module_name = _MODULE_OF[part]
+            try:
+                module = importlib.import_module(f"graft.adapters.vllm.{module_name}")
+                summary.update(module.register(parts))
+            except Exception as exc:  # one broken part must not keep the others out
+                summary[part] = f"failed: {type(exc).__name__}: {exc}"
+                log.warning("graft: could not register %s with vLLM: %s: %s", part, type(exc).__name__, exc)
+        _summary = summary
+        log.info("graft: vLLM integration active: %s", ", ".join(f"{k} ({v})" for k, v in summary.items()))
+        return summary
+
+
+def activation_summary() -> dict | None:
+    """What activate() registered in this process, or None if it did not run."""
+    return _summary
