@@ -2,6 +2,7 @@
 
     deepspeed --num_gpus 2 --module graft.adapters.deepspeed train.py --deepspeed_config ds.json
     python -m graft.adapters.deepspeed train.py ...
+    python -m graft.adapters.deepspeed            # no script: activate and show what is routed
 
 The DeepSpeed launcher puts ``--local_rank=N`` before the script path; it is handed on to
 the script, which expects it there.
@@ -17,8 +18,11 @@ def main(argv=None) -> None:
     launcher_args = []
     while argv and argv[0].startswith("--local_rank"):
         launcher_args.append(argv.pop(0))
-    if not argv:
-        sys.exit("usage: python -m graft.adapters.deepspeed SCRIPT [ARGS...]")
+    if not argv or argv[0] == "--status":
+        from graft.adapters.deepspeed.activation import status_lines
+
+        print("\n".join(status_lines()))
+        return
     script = argv.pop(0)
     activate()
     sys.argv = [script] + launcher_args + argv

@@ -124,3 +124,32 @@ def deactivate() -> None:
         while _undo:
             _undo.pop()()
         _active = False
+
+
+def status_lines() -> list:
+    """What ``python -m graft.adapters.deepspeed`` prints: activates, then shows what is routed."""
+    integ = integration()
+    if not activate():
+        return [f"graft DeepSpeed integration: off ({integ.status()[1]})"]
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.ops.op_builder as ds_builders
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from graft.adapters.deepspeed import op_builders
+    from graft.dispatch import select
+
+    accelerator = get_accelerator()
+    device = accelerator.device_name()
+    x = torch.zeros(8, device="cuda" if device == "cuda" else "cpu")
+    lines = [f"graft DeepSpeed integration: active ({integ.status()[1]})",
+             f"  accelerator: {accelerator!r}",
+             f"  comm backend class: {ds_comm.TorchBackend.__name__} (all_reduce, all_gather_into_tensor, "
+             "reduce_scatter_tensor, all_gather -> graft collectives)"]
+    for name, graft_builder in sorted(op_builders.BUILDERS.items()):
+        if getattr(ds_builders, name, None) is not graft_builder:
+            lines.append(f"  {name}: DeepSpeed's (graft does not serve {device})")
+            continue
+        backend = select(graft_builder.GRAFT_OP, x, x, x, x, 1e-3, 0.9, 0.999, 1e-8, 1).backend
+        lines.append(f"  {name}: graft ({graft_builder.GRAFT_OP}, {backend} implementation on {device})")
+    return lines

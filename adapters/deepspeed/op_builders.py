@@ -21,6 +21,7 @@ class _GraftBuilder(OpBuilder):
 
     NAME = ""
     BUILD_VAR = ""
+    GRAFT_OP = ""  # the graft op the loaded module calls
 
     def __init__(self):
         super().__init__(name=self.NAME)
@@ -76,6 +77,7 @@ class FusedAdamBuilder(_GraftBuilder):
 
     NAME = "fused_adam"
     BUILD_VAR = "DS_BUILD_FUSED_ADAM"
+    GRAFT_OP = "fused.adam_step"
 
     def op_module(self):
         return FusedAdamOps
