@@ -1,6 +1,8 @@
 """What every Triton kernel module needs: where Triton can run, and input preparation."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from graft.platform import triton_interpret
@@ -24,3 +26,10 @@ def triton_unavailable() -> str | None:
     if not triton_interpret() and not torch.cuda.is_available():
         return "no GPU, and TRITON_INTERPRET=1 is not set (Triton runs on the CPU only in its interpreter)"
     return None
+
+
+def on_device(where: "torch.Tensor | torch.device"):
+    """Make a tensor's (or device's) GPU current for a launch: Triton launches on the
+    current CUDA device, which need not be the one the tensors live on."""
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

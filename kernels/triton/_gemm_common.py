@@ -1,7 +1,6 @@
 """Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, dot precision."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
@@ -58,11 +57,6 @@ def fp32_dot_precision() -> str:
     if not triton_interpret() and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
-
-
-def device_guard(t: torch.Tensor):
-    """Launch on ``t``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def pick_tiles(tables: dict, m: int, device) -> dict:

@@ -5,26 +5,19 @@ the product, instead of three elementwise passes. Grid: (rows, column tiles).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.registry import Implementation
 
 TILES = {
     "default": {"block": 1024, "num_warps": 4},
     "interpreter": {"block": 1024, "num_warps": 1},
 }
-
-
-def _on_device(t: torch.Tensor):
-    """Launch on the tensor's GPU, not whichever is current (Triton uses the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -49,7 +42,7 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     cfg = tile_config(TILES, x.device)
     block = min(cfg["block"], triton.next_power_of_2(d))
     grid = (x2.shape[0], triton.cdiv(d, block))
-    with _on_device(x):
+    with on_device(x):
         _silu_and_mul_kernel[grid](x2, out, d, x2.stride(0), BLOCK=block, num_warps=cfg["num_warps"])
     return out
 

@@ -7,15 +7,13 @@ exactly like the reference.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.registry import Implementation
 
 # max_block: widest tile one program holds; longer rows are streamed in max_block chunks.
@@ -24,11 +22,6 @@ TILES = {
     "cdna3": {"max_block": 8192, "num_warps": 8},
     "interpreter": {"max_block": 2048, "num_warps": 1},
 }
-
-
-def _on_device(t: torch.Tensor):
-    """Launch on the tensor's GPU, not whichever is current (Triton uses the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -90,7 +83,7 @@ def _launch(x, weight, eps, residual):
     r2 = _rows(residual) if residual is not None else x2
     cfg = tile_config(TILES, x.device)
     block = min(triton.next_power_of_2(hidden), cfg["max_block"])
-    with _on_device(x):
+    with on_device(x):
         _rms_norm_kernel[(rows,)](
             x2, r2, weight.contiguous(), out, res_out,
             hidden, x2.stride(0), r2.stride(0), float(eps),

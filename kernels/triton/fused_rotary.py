@@ -7,20 +7,13 @@ fp32 and copies the pass-through tail of a partially rotated head.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.registry import Implementation
-
-
-def _on_device(t: torch.Tensor):
-    """Launch on the tensor's GPU, not whichever is current (Triton uses the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -80,7 +73,7 @@ def _rotary(
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     half = cache.shape[1] // 2
     rest = head_size - 2 * half
-    with _on_device(q):
+    with on_device(q):
         _rotary_kernel[(tokens, num_q_heads + num_k_heads)](
             positions.reshape(-1), q2, k2, cache, q_out, k_out,
             num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half,

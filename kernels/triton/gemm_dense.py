@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.kernels.triton._gemm_common import (
     activate,
-    device_guard,
     fp32_dot_precision,
     pick_tiles,
     tile_coords,
@@ -92,7 +91,7 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         return y
     cfg = pick_tiles(TILES, m, x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    with device_guard(x):
+    with on_device(x):
         _linear_kernel[grid](
             x, weight, bias if bias is not None else y, y,
             m, n, k,

@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.kernels.triton._gemm_common import (
-    device_guard,
     fp32_dot_precision,
     pick_tiles,
     tile_coords,
@@ -130,7 +129,7 @@ def _w4a16_2d(
     bk = _block_k(cfg["BLOCK_K"], group_size)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
-    with device_guard(x):
+    with on_device(x):
         _w4a16_kernel[grid](
             x, qweight, scales, zeros, bias if bias is not None else y, y,
             m, n, k, k if group_size == -1 else group_size,

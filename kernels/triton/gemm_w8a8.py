@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import triton_devices, triton_unavailable
-from graft.kernels.triton._gemm_common import device_guard, pick_tiles, tile_coords
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
 from graft.registry import Implementation
 
 TILES = {
@@ -88,7 +88,7 @@ def _w8a8(
     cfg = pick_tiles(TILES, m, x_q.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
-    with device_guard(x_q):
+    with on_device(x_q):
         _w8a8_kernel[grid](
             x_q, w_q, xs, ws, bias if bias is not None else y, y,
             m, n, k,

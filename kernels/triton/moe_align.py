@@ -23,8 +23,7 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import triton_devices, triton_unavailable
-from graft.kernels.triton._moe_launch import on_device
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
 from graft.ops.moe import aligned_sizes
 from graft.registry import Implementation
 
