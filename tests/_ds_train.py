@@ -2,9 +2,9 @@
 
 Run once per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set::
 
-    python tests/_ds_train.py --graft 1 --stages 1,2,3 --steps 4 --out result.json
+    python tests/_ds_train.py --graft 1 --stages 1,2,3,2off --steps 4 --out result.json
 
-For each ZeRO stage it trains the same 2-layer MLP (same seed, same rank-dependent data)
+For each ZeRO stage (and stage 2 with optimizer offload) it trains the same 2-layer MLP (same seed, same rank-dependent data)
 and records this rank's loss per step. ``--graft 1`` activates graft's DeepSpeed
 integration before ``deepspeed.initialize`` and uses DeepSpeed's default Adam (FusedAdam,
 served by graft); ``--graft 0`` is plain DeepSpeed with its torch AdamW
@@ -35,7 +35,10 @@ def make_batches(rank, steps):
     return [(torch.randn(BATCH, FEATURES, generator=gen), torch.randn(BATCH, 4, generator=gen)) for _ in range(steps)]
 
 
-def ds_config(stage, use_graft):
+def ds_config(run, use_graft):
+    """``run`` is a ZeRO stage ("1", "2", "3"), or "2off": stage 2 with the optimizer offloaded
+    to the CPU (DeepSpeedCPUAdam when graft is active)."""
+    stage = int(run[0])
     params = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
     if not use_graft:
         params["torch_adam"] = True
@@ -43,8 +46,10 @@ def ds_config(stage, use_graft):
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": params},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500,
-                              "stage3_param_persistence_threshold": 0},
+        "zero_optimization": dict(
+            {"stage": stage, "reduce_bucket_size": 500, "allgather_bucket_size": 500,
+             "stage3_param_persistence_threshold": 0},
+            **({"offload_optimizer": {"device": "cpu"}} if run.endswith("off") else {})),
         "steps_per_print": 10**6,
         "wall_clock_breakdown": False,
     }
@@ -70,7 +75,7 @@ def train(stage, steps, use_graft, rank):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--graft", type=int, default=1)
-    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--stages", default="1,2,3,2off")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
@@ -89,7 +94,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     result = {"losses": {}, "optimizers": {}, "calls": {}}
-    for stage in [int(s) for s in args.stages.split(",")]:
+    for stage in args.stages.split(","):
         before = dict(graft_ds.calls) if args.graft else {}
         result["losses"][stage], result["optimizers"][stage] = train(stage, args.steps, bool(args.graft), rank)
         if args.graft:  # what graft served during this stage's run

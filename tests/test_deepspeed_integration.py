@@ -1,6 +1,6 @@
 """graft inside the real DeepSpeed (0.19.x, CPU accelerator, gloo): the fused.adam_step op,
 activation/deactivation, the env-var switch, the version gate, and ZeRO 1-3 training on
-2 gloo ranks with graft active vs plain DeepSpeed.
+2 gloo ranks with graft active vs plain DeepSpeed (plus stage 2 with the optimizer offloaded to the CPU).
 """
 import json
 import os
@@ -137,7 +137,7 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert accel.device_name() == original_accel.device_name()
     assert accel.communication_backend_name() == original_accel.communication_backend_name()
     assert accel._name == original_accel._name
-    assert accel.get_op_builder("CPUAdamBuilder") is original_accel.get_op_builder("CPUAdamBuilder")
+    assert accel.get_op_builder("CPUAdagradBuilder") is original_accel.get_op_builder("CPUAdagradBuilder")
     assert op_builder.FusedAdamBuilder.__module__ == "graft.adapters.deepspeed.op_builders"
     assert fused_adam_module.FusedAdamBuilder is op_builder.FusedAdamBuilder
     assert ds_comm.TorchBackend is GraftTorchBackend
@@ -160,6 +160,23 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
         torch_opt.step()
     assert ds_graft.calls["fused.adam_step"] - before == 3 * len(init)
     for p, q in zip(ds_params, torch_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+    # ZeRO-Offload's DeepSpeedCPUAdam (L2 mode here) too, with no C++ build.
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cpu_params = [torch.nn.Parameter(t.clone()) for t in init]
+    torch_params = [torch.nn.Parameter(t.clone()) for t in init]
+    cpu_opt = DeepSpeedCPUAdam(cpu_params, lr=1e-2, weight_decay=0.1, adamw_mode=False)
+    torch_opt = torch.optim.Adam(torch_params, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        grads = [torch.randn(t.shape, generator=gen) for t in init]
+        for p, q, g in zip(cpu_params, torch_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        cpu_opt.step()
+        torch_opt.step()
+    assert ds_graft.calls["cpu_adam.adam_update"] >= 2 * len(init)
+    for p, q in zip(cpu_params, torch_params):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
     ds_graft.deactivate()
@@ -189,7 +206,7 @@ def _launch(tmp_path, use_graft: bool, extra_env: dict, world: int = 2):
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", **extra_env)
         log = open(f"{out}.log{rank}", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, str(TRAIN_SCRIPT), "--graft", str(int(use_graft)), "--stages", "1,2,3",
+            [sys.executable, str(TRAIN_SCRIPT), "--graft", str(int(use_graft)), "--stages", "1,2,3,2off",
              "--steps", "4", "--out", str(out)],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         ))
@@ -223,9 +240,10 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
     for rank, (p, g) in enumerate(zip(plain_results, graft_results)):
         assert p["accelerator"] == "CPU_Accelerator"
         assert g["accelerator"] == "GraftAccelerator"
-        for stage in ("1", "2", "3"):
+        for stage in ("1", "2", "3", "2off"):
             assert p["optimizers"][stage] == "AdamW"  # torch's, inside plain DeepSpeed
-            assert g["optimizers"][stage] == "FusedAdam"  # DeepSpeed's, stepping through graft
+            # DeepSpeed's own optimizers, stepping through graft (no C++ extension compiled).
+            assert g["optimizers"][stage] == ("DeepSpeedCPUAdam" if stage == "2off" else "FusedAdam")
             # Same model, data and AdamW math; the only differences are fp32 rounding of the
             # update formula (a few ulps per step), so 4 steps stay far inside 1e-5 relative.
             assert len(g["losses"][stage]) == 4
@@ -234,6 +252,7 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
             calls = g["calls"][stage]
             assert calls.get("fused.adam_step", 0) > 0, (stage, calls)
             assert calls.get("collectives.all_reduce", 0) + calls.get("collectives.reduce_scatter", 0) > 0, (stage, calls)
+        assert g["calls"]["2off"].get("cpu_adam.adam_update", 0) > 0, g["calls"]["2off"]
         # ZeRO-3 gathers partitioned parameters for every forward: graft served those gathers.
         assert g["calls"]["3"].get("collectives.all_gather", 0) > 0, g["calls"]["3"]
         all_calls = {}

@@ -56,19 +56,11 @@ class FusedAdamOps:
                           bias_correction, weight_decay):
         # chunk_size and noop_flag belong to the CUDA multi-tensor-apply launcher; the graft op
         # takes one whole tensor per call, and DeepSpeed's FusedAdam never sets the flag.
-        from graft.ops.optim import adam_step
-
         grads, params, exp_avgs, exp_avg_sqs = tensor_lists
         with torch.no_grad():
             for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs):
-                new_p, new_m, new_v = adam_step(p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
-                                                int(step), float(weight_decay), bool(adam_w_mode),
-                                                bool(bias_correction))
-                p.copy_(new_p)
-                m.copy_(new_m)
-                v.copy_(new_v)
+                _adam_into(p, g, m, v, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
         count("fused_adam.multi_tensor_adam")
-        count("fused.adam_step", len(params))
 
 
 class FusedAdamBuilder(_GraftBuilder):
@@ -83,7 +75,74 @@ class FusedAdamBuilder(_GraftBuilder):
         return FusedAdamOps
 
 
+def _adam_into(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode,
+               bias_correction):
+    """One graft Adam step written back into DeepSpeed's tensors."""
+    from graft.ops.optim import adam_step
+
+    if grad.dtype != param.dtype:  # e.g. fp32 gradients of a bf16 offloaded copy
+        grad = grad.to(param.dtype)
+    new_p, new_m, new_v = adam_step(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2),
+                                    float(eps), int(step), float(weight_decay), bool(adam_w_mode),
+                                    bool(bias_correction))
+    param.copy_(new_p)
+    exp_avg.copy_(new_m)
+    exp_avg_sq.copy_(new_v)
+    count("fused.adam_step")
+
+
+class CPUAdamOps:
+    """What ``CPUAdamBuilder().load()`` returns for ``DeepSpeedCPUAdam`` (ZeRO-Offload's optimizer).
+
+    DeepSpeed's C++ op keeps per-optimizer settings under an id (``create_adam``); only the
+    AdamW/L2 mode is taken from there, the other hyper-parameters come with every update.
+    """
+
+    _modes: dict = {}
+
+    @classmethod
+    def create_adam(cls, opt_id, lr, beta1, beta2, eps, weight_decay, adamw_mode, should_log=False):
+        cls._modes[opt_id] = bool(adamw_mode)
+        return 0
+
+    @classmethod
+    def destroy_adam(cls, opt_id):
+        cls._modes.pop(opt_id, None)
+        return 0
+
+    @classmethod
+    def adam_update(cls, opt_id, step, lr, beta1, beta2, eps, weight_decay, bias_correction, params, grads,
+                    exp_avg, exp_avg_sq):
+        with torch.no_grad():
+            _adam_into(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay,
+                       cls._modes.get(opt_id, True), bias_correction)
+        count("cpu_adam.adam_update")
+        return 0
+
+    @classmethod
+    def adam_rollback(cls, *args, **kwargs):
+        from graft.errors import GraftUnsupportedError
+
+        raise GraftUnsupportedError(
+            "graft's CPUAdam has no rollback (used by ZenFlow's overlapped steps); set GRAFT_DEEPSPEED=0 to use "
+            "DeepSpeed's compiled cpu_adam for it"
+        )
+
+
+class CPUAdamBuilder(_GraftBuilder):
+    """Replaces DeepSpeed's ``CPUAdamBuilder`` (``deepspeed.ops.adam.DeepSpeedCPUAdam``, the
+    optimizer of ZeRO-Offload: ``"offload_optimizer": {"device": "cpu"}``)."""
+
+    NAME = "cpu_adam"
+    BUILD_VAR = "DS_BUILD_CPU_ADAM"
+    GRAFT_OP = "fused.adam_step"
+
+    def op_module(self):
+        return CPUAdamOps
+
+
 # Builder class name (as DeepSpeed asks for it) -> graft builder.
 BUILDERS = {
     "FusedAdamBuilder": FusedAdamBuilder,
+    "CPUAdamBuilder": CPUAdamBuilder,
 }
