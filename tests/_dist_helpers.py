@@ -89,9 +89,3 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env:
         raise AssertionError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(text))
     return [outcomes[r][1] for r in range(world_size)]
 
-
-def expect_error_on_every_rank(fn, world_size: int, *args, **kwargs) -> list:
-    """Run ``fn`` which must return the text of the exception it caught, on every rank."""
-    texts = run_ranks(fn, world_size, *args, **kwargs)
-    assert all(isinstance(t, str) for t in texts), texts
-    return texts

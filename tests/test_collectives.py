@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from _dist_helpers import expect_error_on_every_rank, run_ranks
+from _dist_helpers import run_ranks
 
 pytestmark = [pytest.mark.multiprocess]
 

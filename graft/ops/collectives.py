@@ -196,7 +196,6 @@ def _encode(local: _Local) -> list:
 def _describe(row: list, names: list, extra_names: list) -> str:
     if row[0]:
         return "rejected its own input (error below)"
-    dtype = _DTYPE_CODES[row[2]] if 0 <= row[2] < len(_DTYPE_CODES) else "?"
     parts = [f"device {_DEVICE_CODES[row[3]] if 0 <= row[3] < len(_DEVICE_CODES) else '?'}"]
     i = 4
     n_extra = row[i]
@@ -214,7 +213,6 @@ def _describe(row: list, names: list, extra_names: list) -> str:
         parts.append(f"{name} {tname} ({dims}{',' if nd == 1 else ''})")
     for name, value in zip(extra_names, extras):
         parts.append(f"{name}={_decode_extra(name, value)}")
-    del dtype
     return ", ".join(parts)
 
 
