@@ -1,0 +1,397 @@
+"""graft inside the real vLLM 0.33 (CPU build of torch; vLLM's own plugin loader and classes).
+
+vLLM's registries (out-of-tree ops, attention backends, "plugins loaded") are
+process-global, so each scenario that loads vLLM runs in a fresh interpreter: this file
+doubles as the scenario script (``python tests/test_vllm_integration.py <scenario>``).
+Importing vLLM takes ~10-20 s here, hence two such processes, each checking many things.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+
+
+def _vllm_installed() -> bool:
+    try:
+        metadata.version("vllm")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+needs_vllm = pytest.mark.skipif(
+    not _vllm_installed(), reason="vLLM not installed: pip install -r ci/requirements-vllm.txt (see README)"
+)
+
+
+# ----------------------------------------------------------------- in-process (no vLLM import)
+
+
+def test_entry_points_are_declared():
+    eps = {ep.name: ep for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert "graft" in eps, f"vllm.general_plugins entry points: {sorted(eps)}"
+    assert eps["graft"].value == "graft.adapters.vllm.plugin:register"
+    assert callable(eps["graft"].load())
+    adapters = {ep.name: ep.value for ep in metadata.entry_points(group="graft.adapters")}
+    assert adapters.get("vllm") == "graft.adapters.vllm.adapter"
+
+
+def test_integration_is_collected_by_graft(fresh_graft):
+    from graft import config
+    from graft.integration import integrations
+
+    (vllm,) = [i for i in integrations() if i.name == "vllm"]
+    assert vllm.supported == ">=0.33,<0.34" and vllm.env_var == "GRAFT_VLLM"
+    for var in ("GRAFT_VLLM", "GRAFT_VLLM_OPS", "GRAFT_VLLM_ATTENTION_OVERRIDE"):
+        assert var in config.KNOWN_ENV_VARS
+
+
+def test_status_honours_switches(fresh_graft, monkeypatch):
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.33.0")
+    assert INTEGRATION.status()[0]
+    monkeypatch.setenv("GRAFT_VLLM", "0")
+    assert INTEGRATION.status() == (False, "GRAFT_VLLM=0")
+    monkeypatch.delenv("GRAFT_VLLM")
+    monkeypatch.setenv("GRAFT_DISABLE", "all")
+    assert INTEGRATION.status() == (False, "GRAFT_DISABLE=all")
+    monkeypatch.delenv("GRAFT_DISABLE")
+    monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.34.1")
+    ok, why = INTEGRATION.status()
+    assert not ok and "0.34.1 is outside the supported range >=0.33,<0.34" in why
+
+
+def test_selected_parts():
+    from graft.adapters.vllm.plugin import PARTS, selected_parts
+    from graft.errors import GraftConfigError
+
+    assert selected_parts({}) == PARTS
+    assert selected_parts({"GRAFT_VLLM_OPS": "attention, RMS_NORM"}) == ("rms_norm", "attention")
+    with pytest.raises(GraftConfigError, match="rms_norm, silu_and_mul"):
+        selected_parts({"GRAFT_VLLM_OPS": "rmsnorm"})
+
+
+# ----------------------------------------------------------------- scenarios in fresh processes
+
+
+def _run(scenario: str, **env) -> dict:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "VLLM_PLUGINS"))}
+    full_env.update(env)
+    full_env.setdefault("TRITON_INTERPRET", "1")
+    proc = subprocess.run(
+        [sys.executable, HERE, scenario], capture_output=True, text=True, env=full_env, timeout=240
+    )
+    assert proc.returncode == 0, f"scenario {scenario} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_vllm
+def test_switches_and_version_gate_in_vllm():
+    result = _run("gates")
+    assert result["GRAFT_VLLM=0"] == []
+    assert result["GRAFT_DISABLE=all"] == []
+    assert result["VLLM_PLUGINS=other"] == []
+    assert result["unsupported version"]["registered"] == []
+    assert "outside the supported range" in result["unsupported version"]["log"]
+    assert "RMSNorm" in result["VLLM_PLUGINS=graft"]
+
+
+@needs_vllm
+def test_active_in_vllm():
+    result = _run("active")
+    assert set(result["summary"].values()) == {"registered"}, result["summary"]
+    assert result["checks"] >= 20
+
+
+# ----------------------------------------------------------------- scenario bodies (run in the subprocess)
+
+
+def _graft_oot() -> list:
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    return sorted(k for k, v in op_registry_oot.items() if v.__module__.startswith("graft."))
+
+
+def _reload_plugins(monkeypatch_env: dict) -> list:
+    """Run vLLM's loader again after changing the environment (clears the 'loaded' flags)."""
+    import vllm.plugins
+
+    from graft.adapters.vllm import plugin
+
+    for k, v in monkeypatch_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    vllm.plugins.plugins_loaded = False
+    plugin._summary = None
+    vllm.plugins.load_general_plugins()
+    return _graft_oot()
+
+
+def scenario_gates() -> dict:
+    import logging
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    out = {}
+    out["GRAFT_VLLM=0"] = _reload_plugins({"GRAFT_VLLM": "0"})
+    out["GRAFT_DISABLE=all"] = _reload_plugins({"GRAFT_VLLM": None, "GRAFT_DISABLE": "all"})
+    out["VLLM_PLUGINS=other"] = _reload_plugins({"GRAFT_DISABLE": None, "VLLM_PLUGINS": "someone_else"})
+    assert "GRAFT" not in AttentionBackendEnum.__members__
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("graft").addHandler(handler)
+    real_version = INTEGRATION.installed_version
+    INTEGRATION.installed_version = lambda: "0.35.0"  # the version lookup only; vLLM itself is real
+    out["unsupported version"] = {"registered": _reload_plugins({"VLLM_PLUGINS": "graft"}), "log": " | ".join(records)}
+    INTEGRATION.installed_version = real_version
+
+    out["VLLM_PLUGINS=graft"] = _reload_plugins({"VLLM_PLUGINS": "graft"})
+    assert "GRAFT" in AttentionBackendEnum.__members__
+    return out
+
+
+class _Checks:
+    def __init__(self):
+        self.count = 0
+
+    def close(self, name, got, want, atol, rtol=0.0):
+        import torch
+
+        got, want = got.float(), want.float()
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        err = (got - want).abs().max().item() if got.numel() else 0.0
+        limit = atol + rtol * want.abs().max().item() if want.numel() else atol
+        assert err <= limit, f"{name}: max abs error {err:.3g} > {limit:.3g}"
+        self.count += 1
+
+
+def _recording_backend(calls: list):
+    """A graft plugin (not a vLLM stand-in) whose 'recorder' backend logs calls, then runs the reference."""
+    from graft.hookspecs import hookimpl
+    from graft.registry import Implementation
+
+    class Recorder:
+        @hookimpl
+        def graft_register_kernels(self, registry):
+            for op in ("fused.rms_norm", "fused.silu_and_mul", "gemm.linear", "attention.decode_paged"):
+                ref = registry.op(op).reference
+
+                def fn(*args, _op=op, _ref=ref, **kwargs):
+                    calls.append(_op)
+                    return _ref(*args, **kwargs)
+
+                registry.add_impl(Implementation(op=op, backend="recorder", fn=fn, devices=frozenset({"cpu"})))
+
+    return Recorder()
+
+
+def scenario_active() -> dict:
+    import tempfile
+
+    import torch
+    import vllm.plugins
+    from vllm.config import CompilationConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from graft.adapters.vllm import plugin
+
+    vllm.plugins.load_general_plugins()  # VLLM_PLUGINS unset: every installed general plugin
+    summary = plugin.activation_summary()
+    assert summary is not None, "vLLM's plugin loader did not run graft's register()"
+    expected = {
+        "RMSNorm", "SiluAndMul", "RotaryEmbedding", "UnquantizedFusedMoEMethod", "ReplicatedLinear",
+        "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear",
+    }
+    assert expected <= set(_graft_oot()), _graft_oot()
+    backend_cls = AttentionBackendEnum["GRAFT"].get_class()
+    assert backend_cls.get_name() == "GRAFT"
+    # Idempotent: vLLM may call the plugin again (and our own activate too).
+    plugin.register()
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+    assert plugin.activate() is summary and op_registry_oot["RMSNorm"].__module__ == "graft.adapters.vllm.custom_ops"
+
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    checks = _Checks()
+    gen = torch.Generator().manual_seed(0)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+    cfg_all = VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(custom_ops=["all"]))
+    with set_current_vllm_config(cfg_all):
+        for dtype in (torch.float32, torch.bfloat16):
+            for tokens, hidden in ((1, 8), (5, 33), (7, 64)):
+                norm = RMSNorm(hidden, eps=1e-5, dtype=dtype)
+                assert type(norm).__name__ == "GraftRMSNorm" and norm._forward_method.__name__ == "forward_graft"
+                with torch.no_grad():
+                    norm.weight.copy_(torch.randn(hidden, generator=gen))
+                x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+                res = torch.randn(tokens, hidden, generator=gen).to(dtype)
+                checks.close(f"rms_norm {dtype} {tokens}x{hidden}", norm(x), norm.forward_native(x.clone()), tol[dtype], tol[dtype])
+                got = norm(x, res)
+                want = norm.forward_native(x.clone(), res.clone())
+                checks.close("rms_norm+residual out", got[0], want[0], tol[dtype], tol[dtype])
+                checks.close("rms_norm+residual residual", got[1], want[1], tol[dtype], tol[dtype])
+
+                act = SiluAndMul()
+                assert type(act).__name__ == "GraftSiluAndMul"
+                y = torch.randn(tokens, 2 * hidden, generator=gen).to(dtype)
+                checks.close(f"silu_and_mul {dtype}", act(y), act.forward_native(y), tol[dtype], tol[dtype])
+
+            for head_size, rot, neox in ((16, 16, True), (32, 16, False)):
+                rope = RotaryEmbedding(head_size, rot, 64, 10000.0, neox, dtype)
+                assert type(rope).__name__ == "GraftRotaryEmbedding", type(rope)
+                pos = torch.tensor([0, 3, 17, 63])
+                q = torch.randn(4, 3 * head_size, generator=gen).to(dtype)
+                k = torch.randn(4, head_size, generator=gen).to(dtype)
+                qa, ka = rope(pos, q.clone(), k.clone())
+                qb, kb = rope.forward_native(pos, q.clone(), k.clone())
+                checks.close(f"rope q {dtype} neox={neox}", qa, qb, tol[dtype], tol[dtype])
+                checks.close(f"rope k {dtype} neox={neox}", ka, kb, tol[dtype], tol[dtype])
+
+    # vLLM's own switches still apply to graft's class: "-rms_norm" -> forward_native.
+    cfg_off = VllmConfig(
+        device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(custom_ops=["all", "-rms_norm"])
+    )
+    with set_current_vllm_config(cfg_off):
+        assert RMSNorm(8)._forward_method.__name__ != "forward_graft"
+        assert SiluAndMul()._forward_method.__name__ == "forward_graft"
+
+    # GRAFT_* selection applies inside vLLM: a graft plugin's backend chosen by env var serves the calls.
+    from graft.plugins import get_host
+
+    calls: list = []
+    get_host().register(_recording_backend(calls), name="recorder")
+    os.environ["GRAFT_FUSED"] = "recorder"
+    os.environ["GRAFT_GEMM_LINEAR"] = "recorder"
+    os.environ["GRAFT_ATTENTION"] = "recorder"
+    with set_current_vllm_config(cfg_all):
+        RMSNorm(8)(torch.randn(2, 8))
+        SiluAndMul()(torch.randn(2, 8))
+    assert calls == ["fused.rms_norm", "fused.silu_and_mul"], calls
+    os.environ["GRAFT_FUSED"] = "torch"
+    with set_current_vllm_config(cfg_all):
+        RMSNorm(8)(torch.randn(2, 8))
+    assert calls == ["fused.rms_norm", "fused.silu_and_mul"], "GRAFT_FUSED=torch must bypass other backends"
+
+    # Linear layers (real vLLM distributed state, one gloo rank).
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    with set_current_vllm_config(cfg_all):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + tempfile.mktemp(), backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+        for layer in (
+            ReplicatedLinear(24, 10, bias=True, params_dtype=torch.float32),
+            MergedColumnParallelLinear(24, [6, 6], bias=False, params_dtype=torch.float32),
+            RowParallelLinear(24, 7, bias=True, params_dtype=torch.float32),
+        ):
+            assert type(layer).__name__.startswith("Graft"), type(layer)
+            assert type(layer.quant_method).__name__ == "GraftUnquantizedLinearMethod"
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen))
+            layer.quant_method.process_weights_after_loading(layer)
+            x = torch.randn(5, 24, generator=gen)
+            before = len(calls)
+            y = layer(x)
+            y = y[0] if isinstance(y, tuple) else y
+            want = torch.nn.functional.linear(x, layer.weight, getattr(layer, "bias", None))
+            checks.close(f"linear {type(layer).__name__}", y, want, 1e-4, 1e-5)
+            assert calls[before:] == ["gemm.linear"], calls[before:]
+
+    checks.count += _attention_checks(backend_cls, calls)
+    return {"summary": summary, "checks": checks.count}
+
+
+def _attention_checks(backend_cls, calls) -> int:
+    """Run GRAFT's builder + impl on hand-built vLLM metadata against a naive softmax(QK^T)V."""
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes
+
+    from graft.adapters.vllm.attention import split_kv_cache
+
+    heads, kv_heads, head, block, num_blocks = 4, 2, 16, 4, 24
+    count = 0
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    gen = torch.Generator().manual_seed(1)
+    # (query_lens, seq_lens): decodes + chunked prefill with context + fresh prefill; then fresh prefills only.
+    for query_lens, seq_lens in (([1, 1, 3, 4], [5, 2, 7, 4]), ([3, 5], [3, 5])):
+        for dtype in (torch.float32, torch.bfloat16):
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
+            shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)  # vLLM's own allocation shape
+            assert shape[:-1] == backend_cls.get_kv_cache_shape(num_blocks, block, kv_heads, head)[:-1]
+            kv_cache = torch.zeros(*shape[:-1], shape[-1] // dtype.itemsize, dtype=dtype)
+            key_cache, value_cache = split_kv_cache(kv_cache, head)
+            n_req, total = len(query_lens), sum(query_lens)
+            table = torch.randperm(num_blocks, generator=gen)[: n_req * 3].view(n_req, 3).to(torch.int32)
+            hist_k = [torch.randn(s, kv_heads, head, generator=gen).to(dtype) for s in seq_lens]
+            hist_v = [torch.randn(s, kv_heads, head, generator=gen).to(dtype) for s in seq_lens]
+            slots = []
+            for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+                for p in range(sl):
+                    b, o = int(table[r, p // block]), p % block
+                    if p < sl - ql:  # cached context from earlier steps
+                        key_cache[b, o], value_cache[b, o] = hist_k[r][p], hist_v[r][p]
+                    else:
+                        slots.append(b * block + o)
+            pad = 2  # padded tokens, slot -1, must be ignored
+            key = torch.cat([h[s - q :] for h, s, q in zip(hist_k, seq_lens, query_lens)] + [torch.randn(pad, kv_heads, head).to(dtype)])
+            value = torch.cat([h[s - q :] for h, s, q in zip(hist_v, seq_lens, query_lens)] + [torch.randn(pad, kv_heads, head).to(dtype)])
+            query = torch.randn(total + pad, heads, head, generator=gen).to(dtype)
+            slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
+            qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                num_reqs=n_req, num_actual_tokens=total, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                block_table_tensor=table, slot_mapping=slot_mapping, causal=True,
+            )
+            with set_current_vllm_config(cfg):
+                impl = backend_cls.get_impl_cls()(
+                    num_heads=heads, head_size=head, scale=head**-0.5, num_kv_heads=kv_heads, alibi_slopes=None,
+                    sliding_window=None, kv_cache_dtype="auto",
+                )
+                builder = backend_cls.get_builder_cls()(spec, ["layer.0"], cfg, torch.device("cpu"))
+                meta = builder.build(0, common)
+            impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)
+            output = torch.zeros(total + pad, heads * head, dtype=dtype)
+            impl.forward(None, query, key, value, kv_cache, meta, output)
+            want = torch.zeros(total, heads, head)
+            t0 = 0
+            for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+                k = hist_k[r].float().repeat_interleave(heads // kv_heads, 1)
+                v = hist_v[r].float().repeat_interleave(heads // kv_heads, 1)
+                s = torch.einsum("qhd,khd->hqk", query[t0 : t0 + ql].float(), k) * head**-0.5
+                visible = torch.arange(sl)[None, :] <= torch.arange(ql)[:, None] + (sl - ql)
+                want[t0 : t0 + ql] = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, -math.inf).softmax(-1), v)
+                t0 += ql
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            _Checks().close(f"GRAFT attention {dtype} {query_lens}/{seq_lens}", output[:total].view(total, heads, head), want, tol, tol)
+            count += 1
+    assert "attention.decode_paged" in calls, "decode requests must go through graft's attention.decode_paged"
+    return count
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))
