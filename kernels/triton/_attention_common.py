@@ -14,7 +14,7 @@ LOG2E = 1.4426950408889634
 
 # Finite "minus infinity" for running maxima: a fully masked tile then gives exp2(-inf - m) = 0
 # instead of exp2(-inf - (-inf)) = NaN, so rows that see no key end with sum 0 and output 0.
-NEG_BIG = -1.0e30
+NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may only read constexpr globals
 
 MAX_HEAD_DIM = 256
 
