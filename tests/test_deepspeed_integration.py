@@ -262,3 +262,32 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
         assert all_calls.get("collectives.all_reduce:oneshot", 0) > 0, all_calls
     # The losses really change over training (the comparison is not between constants).
     assert plain_results[0]["losses"]["1"][0] != plain_results[0]["losses"]["1"][-1]
+
+
+# ------------------------------------------------------------------ the runner (no script changes)
+
+
+@pytest.mark.parametrize("switch, expected", [("1", "GraftAccelerator"), ("0", "CPU_Accelerator")])
+def test_runner_activates_before_the_script(tmp_path, switch, expected):
+    """What `deepspeed --module graft.adapters.deepspeed train.py` runs on each rank."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "print('ACCEL', type(get_accelerator()).__name__, 'ARGV', sys.argv[1:])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    env["GRAFT_DEEPSPEED"] = switch
+    run = subprocess.run([sys.executable, "-m", "graft.adapters.deepspeed", "--local_rank=1", str(script), "a", "-b"],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"ACCEL {expected} ARGV ['--local_rank=1', 'a', '-b']" in run.stdout, run.stdout
+
+
+def test_status_command(fresh_graft):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    run = subprocess.run([sys.executable, "-m", "graft.adapters.deepspeed"], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "graft DeepSpeed integration: active" in run.stdout
+    assert "FusedAdamBuilder: graft (fused.adam_step" in run.stdout
