@@ -36,6 +36,13 @@ softmax_scale=None, num_splits=0)``: one query token per sequence.
   token; ``0`` gives a zero output row.
 * ``num_splits`` only changes how an implementation partitions the work (split-K /
   flash-decoding); ``0`` lets it choose. Results must not depend on it beyond rounding.
+
+Validation (``GraftInputError``) checks dtypes, ranks, shapes, GQA divisibility, index
+dtypes and devices from metadata, and reads ``cu_seqlens_*`` / ``seq_lens`` back from the
+device for the value checks (start at 0, non-decreasing, totals, ``max_seqlen`` bounds,
+``0 <= seq_len <= block-table capacity``). Those value checks are skipped while tracing
+(``torch.compile``, fake/meta tensors) and during CUDA-graph capture, where reading device
+memory is impossible. No input needs to be contiguous: the Triton kernels take strides.
 """
 from __future__ import annotations
 
@@ -365,6 +372,14 @@ def _decode_flops(args, kwargs):
     return 4.0 * float(seq_lens.sum()) * query.shape[1] * query.shape[2]
 
 
+def _prefill_reduction(args, kwargs):
+    return max(args[6], args[0].shape[-1])  # softmax/PV sum over keys, QK^T over head_dim
+
+
+def _decode_reduction(args, kwargs):
+    return max(int(args[4].max()) if args[4].numel() else 0, args[0].shape[-1])
+
+
 def _prefill_case(name, seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal, tags=frozenset({"quick"})):
     return OpCase(
         op="attention.prefill",
@@ -374,6 +389,7 @@ def _prefill_case(name, seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal,
         ),
         tags=tags,
         flops=_prefill_flops,
+        reduction=_prefill_reduction,
     )
 
 
@@ -386,6 +402,7 @@ def _decode_case(name, seq_lens, heads, kv_heads, head_dim, block_size, num_spli
         ),
         tags=tags,
         flops=_decode_flops,
+        reduction=_decode_reduction,
     )
 
 
