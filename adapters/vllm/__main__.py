@@ -1,0 +1,37 @@
+"""``python -m graft.adapters.vllm``: load vLLM's general plugins the way vLLM does and
+show what graft registered (or why it stayed out)."""
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    ok, why = INTEGRATION.status()
+    print(f"graft vLLM integration: {'can activate' if ok else 'off'} ({why})")
+    if INTEGRATION.installed_version() is None:
+        return 1
+    import vllm.plugins
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from graft.adapters.vllm.plugin import activation_summary
+
+    vllm.plugins.load_general_plugins()  # vLLM's own loader (honours VLLM_PLUGINS)
+    summary = activation_summary()
+    if summary is None:
+        print("graft's register() did not activate anything in this process (see the reason above / VLLM_PLUGINS)")
+        return 0
+    for part, status in summary.items():
+        print(f"  {part}: {status}")
+    for name, cls in sorted(op_registry_oot.items()):
+        if cls.__module__.startswith("graft."):
+            print(f"  vLLM {name} -> {cls.__module__}.{cls.__qualname__}")
+    if "GRAFT" in AttentionBackendEnum.__members__:
+        print(f"  attention backend GRAFT -> {AttentionBackendEnum['GRAFT'].get_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
