@@ -18,9 +18,14 @@ What runs where (megatron-core 0.16.1 on a CPU-only torch):
   experts submodule (graft's fused-experts path) is run against Megatron's
   ``SequentialMLP``; ``test_moe_layer_matches_local_spec_gpu`` runs the whole MoE layer
   when ``GRAFT_TEST_DEVICE=cuda``.
+* Rotary position embeddings need CUDA (``RotaryEmbedding.get_emb`` moves its frequencies
+  to ``torch.cuda.current_device()``): the whole-GPTModel test uses learned positions.
 """
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,6 +172,44 @@ def test_dense_layer_matches_local_spec(megatron_cpu, calls, qk_layernorm):
     assert not [k for k in calls if k.startswith("fallback.")], dict(calls)
 
 
+def test_gpt_model_with_graft_layers_matches_local(megatron_cpu, calls):
+    """A whole GPTModel (2 layers, embeddings, output layer, loss) built with graft's layer spec.
+
+    Learned absolute positions: Megatron's RotaryEmbedding moves its frequencies to
+    ``torch.cuda.current_device()`` in ``get_emb``, so RoPE models need a GPU in 0.16.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+
+    config = _config(num_layers=2)
+    kwargs = dict(vocab_size=96, max_sequence_length=32, position_embedding_type="learned_absolute")
+    torch.manual_seed(0)
+    local = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"), **kwargs)
+    grafted = GPTModel(config, transformer_layer_spec=get_gpt_layer_graft_spec(normalization="RMSNorm"), **kwargs)
+    grafted.load_state_dict(local.state_dict(), strict=True)
+    tokens = torch.randint(0, 96, (2, 11))
+    positions = torch.arange(11).expand(2, -1)
+    labels = torch.randint(0, 96, (2, 11))
+    loss_ref = local(tokens, positions, attention_mask=_causal_mask(11), labels=labels)
+    loss_graft = grafted(tokens, positions, attention_mask=None, labels=labels)
+    assert loss_graft.shape == (2, 11)
+    torch.testing.assert_close(loss_graft, loss_ref, rtol=1e-5, atol=1e-5)
+    loss_ref.mean().backward()
+    loss_graft.mean().backward()
+    for name, p in local.named_parameters():
+        q = dict(grafted.named_parameters())[name]
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+    def served(op):
+        return sum(n for k, n in calls.items() if k.startswith(op + ":"))
+
+    # Per layer: 2 norms, 4 linears (qkv, proj, fc1, fc2), 1 attention; the final norm and
+    # the embedding/output layers are the GPTModel's own.
+    assert (served("fused.rms_norm"), served("gemm.linear"), served("attention.prefill")) == (4, 8, 2), dict(calls)
+
+
 def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls):
     local, grafted = _build_pair(_config())
     x = torch.randn(5, 1, HIDDEN)
@@ -275,3 +318,17 @@ def test_integration_is_declared(fresh_graft):
     assert integ.env_var == "GRAFT_MEGATRON"
     assert integ.status()[0], integ.status()
     assert integ.activate() is True
+
+
+def test_status_command_and_switch(fresh_graft):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    on = subprocess.run([sys.executable, "-m", "graft.adapters.megatron"], env=env, capture_output=True, text=True,
+                        timeout=180)
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert "graft Megatron-core integration: active" in on.stdout
+    assert "self_attention.core_attention" in on.stdout and "GraftDotProductAttention" in on.stdout
+    assert "mlp.experts" in on.stdout and "GraftSequentialMLP" in on.stdout
+    off = subprocess.run([sys.executable, "-m", "graft.adapters.megatron"], env=dict(env, GRAFT_MEGATRON="0"),
+                         capture_output=True, text=True, timeout=180)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "graft Megatron-core integration: off (GRAFT_MEGATRON=0)" in off.stdout
