@@ -8,7 +8,6 @@ modules, and :func:`get_gpt_layer_graft_spec` assembles the same tree as Megatro
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional, Tuple
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -28,8 +27,6 @@ from graft.adapters.megatron.modules import (
     GraftRowParallelLinear,
     GraftSequentialMLP,
 )
-
-log = logging.getLogger("graft.adapters.megatron")
 
 
 class GraftSpecProvider(BackendSpecProvider):
