@@ -99,6 +99,14 @@ def main():
         result["losses"][stage], result["optimizers"][stage] = train(stage, args.steps, bool(args.graft), rank)
         if args.graft:  # what graft served during this stage's run
             result["calls"][stage] = {k: v - before.get(k, 0) for k, v in graft_ds.calls.items() if v - before.get(k, 0)}
+    # The all-reduce of DeepSpeed's tensor-parallel inference (AutoTP), in place.
+    before = dict(graft_ds.calls) if args.graft else {}
+    t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    deepspeed.comm.inference_all_reduce(t)
+    result["inference_all_reduce"] = t.tolist()
+    if args.graft:
+        result["calls"]["inference"] = {k: v - before.get(k, 0) for k, v in graft_ds.calls.items()
+                                        if v - before.get(k, 0)}
     from deepspeed.accelerator import get_accelerator
 
     result["accelerator"] = type(get_accelerator()).__name__

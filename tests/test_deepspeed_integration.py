@@ -255,6 +255,10 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
         assert g["calls"]["2off"].get("cpu_adam.adam_update", 0) > 0, g["calls"]["2off"]
         # ZeRO-3 gathers partitioned parameters for every forward: graft served those gathers.
         assert g["calls"]["3"].get("collectives.all_gather", 0) > 0, g["calls"]["3"]
+        world = len(plain_results)
+        expected = [float(i) * world * (world + 1) / 2 for i in range(5)]
+        assert p["inference_all_reduce"] == expected and g["inference_all_reduce"] == expected
+        assert g["calls"]["inference"].get("inference_all_reduce") == 1, g["calls"]["inference"]
         all_calls = {}
         for stage_calls in g["calls"].values():
             for k, v in stage_calls.items():

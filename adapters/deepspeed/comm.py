@@ -4,7 +4,8 @@ Every ``deepspeed.comm.all_reduce(...)`` (and friends) calls the module-global b
 object ``deepspeed.comm.comm.cdb``, a ``TorchBackend`` that wraps ``torch.distributed``.
 ``GraftTorchBackend`` is that class with the data-moving collectives ZeRO uses
 (all-reduce, all-gather into a flat tensor, reduce-scatter of a flat tensor, list
-all-gather) sent to ``graft.ops.collectives`` instead; everything else (groups, barriers,
+all-gather) and the inference all-reduce of tensor-parallel inference (AutoTP) sent to
+``graft.ops.collectives`` instead; everything else (groups, barriers,
 point-to-point, broadcast) is DeepSpeed's own code.
 
 graft's collectives are functional (they return a new tensor), DeepSpeed's write into
@@ -94,6 +95,19 @@ class GraftTorchBackend(TorchBackend):
         with torch.no_grad():
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
         return _done(async_op)
+
+    def inference_all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None):
+        """The all-reduce of DeepSpeed's tensor-parallel inference (AutoTP's LinearAllreduce)."""
+        if dist.get_world_size(group=group) <= 1:
+            return tensor
+        name = _reduce_name(self._reduce_op(op))
+        if name is None or not _routable(tensor):
+            count("fallback.inference_all_reduce")
+            return super().inference_all_reduce(tensor, op, group)
+        with torch.no_grad():
+            tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
+        count("inference_all_reduce")
+        return tensor
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
         if not _routable(output_tensor, input_tensor) or output_tensor.dtype != input_tensor.dtype:
