@@ -10,8 +10,9 @@ What runs where (megatron-core 0.16.1 on a CPU-only torch):
 * Megatron's local ``DotProductAttention`` (the reference here) hard-codes CUDA in three
   places: its score buffer (``parallel_state.get_global_memory_buffer()`` allocates on
   ``torch.cuda.current_device()``), the dropout RNG tracker fork, and the default causal
-  mask (``device="cuda"``). The fixture installs CPU stand-ins for the first two and the
-  reference layer gets an explicit causal mask; its attention math is unchanged.
+  mask (``device="cuda"``). The fixture installs stand-ins for the first two (a buffer
+  on the test's device, a no-op fork: dropout is 0) and the reference layer gets an
+  explicit causal mask; its attention math is unchanged.
 * A full MoE layer forward needs CUDA: ``TopKRouter.gating`` moves the router weight to
   ``torch.cuda.current_device()`` unconditionally (and the all-to-all dispatcher creates a
   ``torch.cuda.Stream``). On the CPU the MoE layer is *built* from graft's spec and its
@@ -43,9 +44,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _CpuMemoryBuffer:
+class _MemoryBufferOn:
+    """Stand-in for Megatron's global memory buffer, allocating on ``device`` (CUDA-only upstream)."""
+
+    device = torch.device("cpu")
+
     def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(*shape, dtype=dtype)
+        return torch.empty(*shape, dtype=dtype, device=self.device)
 
 
 class _NoForkRngTracker:
@@ -70,13 +75,10 @@ def megatron_cpu():
     parallel_state.initialize_model_parallel(1, 1)
     saved = (parallel_state._GLOBAL_MEMORY_BUFFER, mrandom._CUDA_RNG_STATE_TRACKER,
              mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
-        mrandom._CUDA_RNG_STATE_TRACKER = _NoForkRngTracker()
-        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    else:
-        mrandom.model_parallel_cuda_manual_seed(1234)
+    # Dropout is 0 everywhere here, so the RNG tracker's fork has nothing to do.
+    parallel_state._GLOBAL_MEMORY_BUFFER = _MemoryBufferOn()
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     yield
     (parallel_state._GLOBAL_MEMORY_BUFFER, mrandom._CUDA_RNG_STATE_TRACKER,
      mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED) = saved
@@ -285,9 +287,13 @@ def test_moe_layer_matches_local_spec_gpu(megatron_cpu, calls, device):
     local, grafted = _build_pair(_config(**MOE), num_experts=4)
     local, grafted = local.to(device), grafted.to(device)
     x = torch.randn(9, 2, HIDDEN, device=device)
-    with torch.no_grad():
-        out_ref, _ = local(x, attention_mask=None)
-        out_graft, _ = grafted(x, attention_mask=None)
+    _MemoryBufferOn.device = device
+    try:
+        with torch.no_grad():
+            out_ref, _ = local(x, attention_mask=None)
+            out_graft, _ = grafted(x, attention_mask=None)
+    finally:
+        _MemoryBufferOn.device = torch.device("cpu")
     torch.testing.assert_close(out_graft, out_ref, rtol=1e-3, atol=1e-4)
     assert any(k.startswith("moe.fused_experts:") for k in calls), dict(calls)
 
