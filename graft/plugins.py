@@ -134,6 +134,8 @@ class PluginHost:
 
     @property
     def registry(self) -> Registry:
+        if self._registry is not None:  # lock-free fast path for every op call
+            return self._registry
         with self._lock:
             if self._registry is None:
                 registry = Registry(default_priority=self._default_priority_for)
@@ -165,6 +167,9 @@ _host_lock = threading.Lock()
 
 def get_host() -> PluginHost:
     global _host
+    host = _host
+    if host is not None:  # lock-free fast path: every op call comes through here
+        return host
     with _host_lock:
         if _host is None:
             config.configure_logging()

@@ -15,7 +15,6 @@ raises instead); routine skips are logged once at INFO.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,6 @@ from graft.registry import Implementation, Registry
 log = logging.getLogger("graft.selection")
 
 _logged: set = set()
-_log_lock = threading.Lock()
 _static_cache: dict = {}
 
 
@@ -108,12 +106,21 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     return result
 
 
-def _log_once(level: int, key, message: str) -> None:
-    with _log_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
+def _emit(level: int, message: str) -> None:
     log.log(level, message)
+
+
+# Under torch.compile, selection runs while Dynamo traces; a logging call there would
+# break the graph, so Dynamo is told it may move this one to after the graph runs.
+torch._dynamo.config.reorderable_logging_functions.add(_emit)
+
+
+def _log_once(level: int, key, message: str) -> None:
+    # No lock: torch.compile cannot trace one, and a rare race only logs a line twice.
+    if key in _logged:
+        return
+    _logged.add(key)
+    _emit(level, message)
 
 
 def decide(
@@ -175,5 +182,4 @@ def explain(registry: Registry, op: str, device=None, dtype=None) -> Decision:
 def reset_caches() -> None:
     """Forget cached decisions and which messages were logged (tests use this)."""
     _static_cache.clear()
-    with _log_lock:
-        _logged.clear()
+    _logged.clear()

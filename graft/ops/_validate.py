@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import torch
 
+from graft import config
 from graft.errors import GraftInputError
+
+config.declare_env_var(
+    "GRAFT_CHECK_VALUES",
+    "0: skip input checks that read tensor values (cu_seqlens, expert ids...), each a device sync on GPUs",
+)
 
 
 def _dtype_name(dtype) -> str:
@@ -36,3 +42,19 @@ def check_same_dtype(**tensors) -> None:
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n}: {_dtype_name(d)}" for n, d in dtypes.items())
         raise GraftInputError(f"inputs must share a dtype: {listing}")
+
+
+def can_read_values(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values (``int(t.max())``...).
+
+    Not while torch.compile traces (no graph break), for fake/meta tensors, or while a
+    CUDA graph is captured (a sync there is illegal); and not with GRAFT_CHECK_VALUES=0,
+    for production runs that cannot afford the device sync each such check costs.
+    """
+    if t.numel() == 0 or t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return config.parse_bool("GRAFT_CHECK_VALUES", True)

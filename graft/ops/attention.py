@@ -54,7 +54,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_same_dtype, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,17 +131,6 @@ def _check_scale(op, softmax_scale):
         raise GraftInputError(f"{op}: softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
 
 
-def _can_read_values(t: torch.Tensor) -> bool:
-    """Whether data-dependent checks may read ``t``: not while tracing or capturing a CUDA graph."""
-    if t.device.type == "meta" or torch.compiler.is_compiling():
-        return False
-    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
-        return False
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
-
-
 def _check_heads(op, q_name, num_heads, num_kv_heads):
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
         raise GraftInputError(
@@ -191,7 +180,7 @@ def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not isinstance(causal, bool):
         raise GraftInputError(f"{op}: causal must be a bool, got {type(causal).__name__}")
     _check_scale(op, softmax_scale)
-    if _can_read_values(cu_seqlens_q):
+    if can_read_values(cu_seqlens_q):
         _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, exact_total=True)
         _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_k, exact_total=False)
 
@@ -228,7 +217,7 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
     if splits < 0:
         raise GraftInputError(f"{op}: num_splits must be >= 0 (0 = choose automatically), got {splits}")
     _check_scale(op, softmax_scale)
-    if num_seqs and _can_read_values(seq_lens):
+    if num_seqs and can_read_values(seq_lens):
         lo, hi = int(seq_lens.min()), int(seq_lens.max())
         capacity = block_tables.shape[1] * block_size
         if lo < 0 or hi > capacity:

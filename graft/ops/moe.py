@@ -39,7 +39,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,28 +55,11 @@ def aligned_sizes(num_slots: int, block_size: int, num_experts: int) -> tuple[in
     return max_padded, -(-max_padded // block_size)
 
 
-def _ids_in_range(topk_ids: torch.Tensor) -> bool:
-    """Whether checking id values is possible without tracing or a CUDA-graph capture.
-
-    Reading values forces a device sync; it is skipped for fake/meta tensors and while a
-    CUDA graph is being captured (where syncing is illegal).
-    """
-    if topk_ids.numel() == 0 or topk_ids.device.type == "meta":
-        return False
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(topk_ids, FakeTensor):
-        return False
-    if topk_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
-
-
 def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = None) -> None:
     check_tensor(f"{op}: topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2)
     if num_tokens is not None and topk_ids.shape[0] != num_tokens:
         raise GraftInputError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, expected {num_tokens} (one per token)")
-    if _ids_in_range(topk_ids):
+    if can_read_values(topk_ids):
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_experts:
             raise GraftInputError(
