@@ -49,6 +49,7 @@ def collect(device=None, dtype=None, ops=None) -> dict:
         "unknown_environment": config.unknown_env_vars(known),
         "plugins": [r.as_dict() for r in host.records.values()],
         "hook_errors": list(host.hook_errors),
+        "integrations": _integrations(host),
         "ops": [],
     }
     for name in wanted:
@@ -59,6 +60,23 @@ def collect(device=None, dtype=None, ops=None) -> dict:
         entry.update(family=spec.family, signature=spec.signature, dtype=str(op_dtype).replace("torch.", ""))
         report["ops"].append(entry)
     return report
+
+
+def _integrations(host) -> list:
+    rows = []
+    for integration in host.collect("graft_framework_integrations"):
+        ok, why = integration.status()
+        rows.append({
+            "name": integration.name,
+            "framework": integration.distribution,
+            "installed": integration.installed_version(),
+            "supported": integration.supported,
+            "can_activate": ok,
+            "reason": why,
+            "switch": integration.env_var,
+            "description": integration.description,
+        })
+    return rows
 
 
 def render_text(report: dict) -> str:
@@ -79,6 +97,14 @@ def render_text(report: dict) -> str:
             lines.append(f"      ! {p['error']}")
         if p.get("info", {}).get("description"):
             lines.append(f"      {p['info']['description']}")
+    lines.append("")
+    lines.append("framework integrations:")
+    for i in report["integrations"]:
+        state = "ready" if i["can_activate"] else "off"
+        switch = f"  (off with {i['switch']}=0)" if i["switch"] else ""
+        lines.append(f"  {i['name']:<18} {state:<9} {i['reason']}{switch}")
+    if not report["integrations"]:
+        lines.append("  (none installed)")
     lines.append("")
     lines.append("ops (selected implementation marked '>'):")
     for op in report["ops"]:

@@ -51,3 +51,13 @@ def test_unknown_op_and_dtype_are_usage_errors():
 def test_no_command_prints_help():
     proc = graft()
     assert proc.returncode == 2 and "info" in proc.stdout
+
+
+def test_info_lists_framework_integrations_and_their_switches():
+    report = json.loads(graft("info", "--json", "--op", "gemm.linear", env={"GRAFT_VLLM": "0"}).stdout)
+    rows = {i["name"]: i for i in report["integrations"]}
+    assert {"vllm", "deepspeed", "megatron"} <= set(rows)
+    assert rows["vllm"]["can_activate"] is False and rows["vllm"]["reason"] == "GRAFT_VLLM=0"
+    assert rows["deepspeed"]["can_activate"] is True and "0.19" in rows["deepspeed"]["reason"]
+    off = json.loads(graft("info", "--json", "--op", "gemm.linear", env={"GRAFT_DISABLE": "all"}).stdout)
+    assert all(not i["can_activate"] and i["reason"] == "GRAFT_DISABLE=all" for i in off["integrations"])
