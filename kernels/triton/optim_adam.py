@@ -1,0 +1,148 @@
+"""Triton Adam/AdamW step (``fused.adam_step``): one elementwise pass per tensor.
+
+Each element's param, grad and both moments are read once, updated in fp32 and written
+once (rounded to each output's dtype), instead of the half-dozen passes the torch
+reference makes. The op takes one tensor per call, so a multi-tensor optimizer
+(DeepSpeed's ``multi_tensor_adam``) is one launch per tensor.
+
+The op is functional: results go to fresh buffers and the inputs are never written,
+so the custom op needs no ``mutates_args``. Scalars that depend only on the step (the
+bias corrections) are computed once on the host in double precision, as the reference
+does, and passed in as fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import define_op
+from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.platform import triton_interpret
+from graft.registry import Implementation
+
+OP = "fused.adam_step"
+
+# A streaming kernel: a few wide tiles per program keep the loads in flight.
+TILES = {
+    "default": {"block": 2048, "num_warps": 8},
+    "cdna3": {"block": 2048, "num_warps": 8},
+    "interpreter": {"block": 1024, "num_warps": 1},
+}
+
+
+@triton.jit
+def _rounded_for_bf16(x):
+    """x (fp32) rounded to bf16's 8-bit mantissa, to nearest-even, still as fp32.
+
+    Only for the interpreter, whose fp32->bf16 cast truncates (GPUs round to nearest-even
+    in hardware): a truncating cast of this value is then exact. NaNs pass unchanged.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _store(ptr, offs, x, mask, INTERPRET: tl.constexpr):
+    if INTERPRET and ptr.dtype.element_ty == tl.bfloat16:
+        x = _rounded_for_bf16(x)
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adam_step_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, p_out_ptr, m_out_ptr, v_out_ptr,
+    n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+    bias_correction1, sqrt_bias_correction2,
+    ADAM_W: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # int64 offsets: optimizer tensors (flattened ZeRO partitions) can exceed 2**31 elements.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DECAY and not ADAM_W:  # Adam with L2: the decay joins the gradient
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    update = (m / bias_correction1) / (tl.sqrt(v) / sqrt_bias_correction2 + eps)
+    if HAS_DECAY and ADAM_W:  # AdamW: decoupled decay on the parameter itself
+        update = update + weight_decay * p
+    p = p - lr * update
+    _store(p_out_ptr, offs, p, mask, INTERPRET)
+    _store(m_out_ptr, offs, m, mask, INTERPRET)
+    _store(v_out_ptr, offs, v, mask, INTERPRET)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view (a copy only for non-contiguous inputs)."""
+    return t.contiguous().view(-1)
+
+
+def _adam_step(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    lr: float, beta1: float, beta2: float, eps: float, step: int,
+    weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p_out = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    m_out = torch.empty(param.shape, dtype=exp_avg.dtype, device=param.device)
+    v_out = torch.empty(param.shape, dtype=exp_avg_sq.dtype, device=param.device)
+    n = param.numel()
+    if n == 0:
+        return p_out, m_out, v_out
+    # Step-only scalars in double on the host, like the reference's Python arithmetic.
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    cfg = tile_config(TILES, param.device)
+    block = min(cfg["block"], triton.next_power_of_2(n))
+    with on_device(param):
+        _adam_step_kernel[(triton.cdiv(n, block),)](
+            _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq),
+            p_out.view(-1), m_out.view(-1), v_out.view(-1),
+            n, float(lr), float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(eps),
+            float(weight_decay), bc1, math.sqrt(bc2),
+            ADAM_W=bool(adam_w_mode), HAS_DECAY=weight_decay != 0.0, BLOCK=block,
+            INTERPRET=triton_interpret(), num_warps=cfg["num_warps"],
+        )
+    return p_out, m_out, v_out
+
+
+def _adam_step_fake(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    lr: float, beta1: float, beta2: float, eps: float, step: int,
+    weight_decay: float, adam_w_mode: bool, bias_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (param.new_empty(param.shape),
+            exp_avg.new_empty(param.shape),
+            exp_avg_sq.new_empty(param.shape))
+
+
+adam_step_op = define_op("fused_adam_step_triton", _adam_step, fake=_adam_step_fake)
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
+              weight_decay=0.0, adam_w_mode=True, bias_correction=True):
+    """fused.adam_step through the Triton custom op; returns new (param, exp_avg, exp_avg_sq)."""
+    return adam_step_op(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
+                        int(step), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
+
+
+def register(registry) -> None:
+    registry.add_impl(
+        Implementation(
+            op=OP,
+            backend="triton",
+            fn=adam_step,
+            description="Triton Adam/AdamW step (one fused elementwise pass per tensor, fp32 math)",
+            devices=triton_devices(),
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+            available=triton_unavailable,
+            custom_op=adam_step_op,
+        )
+    )
