@@ -180,7 +180,10 @@ class _Checks:
         self.count += 1
 
 
-def _recording_backend(calls: list):
+RECORDED_OPS = ("fused.rms_norm", "fused.silu_and_mul", "gemm.linear", "attention.decode_paged")
+
+
+def _recording_backend(calls: list, ops=RECORDED_OPS):
     """A graft plugin (not a vLLM stand-in) whose 'recorder' backend logs calls, then runs the reference."""
     from graft.hookspecs import hookimpl
     from graft.registry import Implementation
@@ -188,7 +191,7 @@ def _recording_backend(calls: list):
     class Recorder:
         @hookimpl
         def graft_register_kernels(self, registry):
-            for op in ("fused.rms_norm", "fused.silu_and_mul", "gemm.linear", "attention.decode_paged"):
+            for op in ops:
                 ref = registry.op(op).reference
 
                 def fn(*args, _op=op, _ref=ref, **kwargs):
