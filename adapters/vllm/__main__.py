@@ -12,6 +12,8 @@ def main() -> int:
     print(f"graft vLLM integration: {'can activate' if ok else 'off'} ({why})")
     if INTEGRATION.installed_version() is None:
         return 1
+    if not ok:
+        return 0  # nothing of graft's would be registered; vLLM runs unchanged
     import vllm.plugins
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -28,9 +30,19 @@ def main() -> int:
     for name, cls in sorted(op_registry_oot.items()):
         if cls.__module__.startswith("graft."):
             print(f"  vLLM {name} -> {cls.__module__}.{cls.__qualname__}")
-    if "GRAFT" in AttentionBackendEnum.__members__:
-        print(f"  attention backend GRAFT -> {AttentionBackendEnum['GRAFT'].get_path()}")
+    # GRAFT itself, plus any built-in name GRAFT_VLLM_ATTENTION_OVERRIDE routed to graft.
+    for name, member in AttentionBackendEnum.__members__.items():
+        path = _path_or_none(member)
+        if path and path.startswith("graft."):
+            print(f"  attention backend {name} -> {path}")
     return 0
+
+
+def _path_or_none(member) -> str | None:
+    try:
+        return member.get_path()
+    except ValueError:  # the CUSTOM placeholder has no path until registered
+        return None
 
 
 if __name__ == "__main__":

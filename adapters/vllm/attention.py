@@ -277,6 +277,11 @@ def register(parts=("attention",)) -> dict:
         status = "registered"
     override = os.environ.get("GRAFT_VLLM_ATTENTION_OVERRIDE", "").strip().upper()
     if override:
-        register_backend(AttentionBackendEnum[override], CLASS_PATH)  # ValueError names the valid backends
+        if override not in AttentionBackendEnum.__members__:
+            raise ValueError(
+                f"GRAFT_VLLM_ATTENTION_OVERRIDE={override!r} is not a vLLM attention backend; "
+                f"one of {', '.join(AttentionBackendEnum.__members__)}"
+            )
+        register_backend(AttentionBackendEnum[override], CLASS_PATH)
         status += f"; serves {override}"
     return {"attention": status}
