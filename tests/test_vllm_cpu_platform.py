@@ -133,8 +133,14 @@ def _moe_checks(cfg, checks, calls) -> int:
             del os.environ["GRAFT_MOE_FUSED_EXPERTS"]
             with set_forward_context(None, cfg):
                 got = layer(x, logits)
+                # vLLM's CPU runner calls its MoE forward directly (no opaque vllm.moe_forward op), so
+                # Dynamo traces router + runner + graft's method down to graft's custom op.
+                explanation = torch._dynamo.explain(layer)(x, logits)
             assert len(calls) == start + 1
             checks.close(f"vLLM FusedMoE via graft (default) {dtype} T={tokens}", got, want, tol, tol)
+            assert explanation.graph_break_count == 0, explanation.break_reasons
+            ops = {str(op) for graph_ops in explanation.ops_per_graph for op in graph_ops}
+            assert any(op.startswith("graft.moe_fused_experts") for op in ops), ops
         os.environ.pop("GRAFT_MOE_FUSED_EXPERTS", None)
 
     # A layer graft cannot serve keeps vLLM's method untouched (its CPU kernel needs vllm._C, so not run here).
@@ -162,13 +168,15 @@ def _compile_checks(cfg, checks) -> int:
         h, residual = norm(x, residual)
         return act(torch.cat([h, 2 * h], dim=-1)), residual
 
+    # Traced before any eager graft call: graft's plugin host must already be up (vLLM's
+    # plugin hook loads it), else Dynamo meets its lock and breaks the graph.
     x, res = torch.randn(5, 32), torch.randn(5, 32)
-    eager = block(x.clone(), res.clone())
     explanation = torch._dynamo.explain(block)(x.clone(), res.clone())
     assert explanation.graph_break_count == 0, explanation.break_reasons
     ops = {str(op) for graph_ops in explanation.ops_per_graph for op in graph_ops}
     assert any(op.startswith("graft.fused_add_rms_norm") for op in ops), ops  # the residual variant
     assert any(op.startswith("graft.fused_silu_and_mul") for op in ops), ops
+    eager = block(x.clone(), res.clone())
     torch._dynamo.reset()
     compiled = torch.compile(block, backend="eager", fullgraph=True)(x.clone(), res.clone())
     checks.close("compiled CustomOps out", compiled[0], eager[0], 1e-5, 1e-5)
@@ -196,6 +204,8 @@ def scenario_cpu() -> dict:
     vllm.plugins.load_general_plugins()
     out["summary"] = plugin.activation_summary()
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(custom_ops=["all"]))
+    checks = _Checks()
+    out["compile checks"] = _compile_checks(cfg, checks)
 
     # vLLM's own selector picks CPU_ATTN on CPU whatever --attention-backend says; the override serves it with graft.
     with set_current_vllm_config(cfg):
@@ -212,7 +222,6 @@ def scenario_cpu() -> dict:
 
     calls: list = []
     get_host().register(_recording_backend(calls, ops=("moe.fused_experts", "gemm.linear")), name="recorder")
-    checks = _Checks()
     with set_current_vllm_config(cfg):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + tempfile.mktemp(), backend="gloo"
@@ -227,7 +236,6 @@ def scenario_cpu() -> dict:
         x = torch.randn(3, 24)
         checks.close("linear on vLLM CPU", linear(x)[0], torch.nn.functional.linear(x, linear.weight, linear.bias), 1e-4)
         out["moe checks"] = _moe_checks(cfg, checks, calls)
-    out["compile checks"] = _compile_checks(cfg, checks)
     return out
 
 

@@ -39,6 +39,7 @@ INTEGRATION = FrameworkIntegration(
     notes=[
         "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
         "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",
+        "vLLM's CPU platform ignores --attention-backend: use GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN there",
     ],
 )
 

@@ -17,7 +17,9 @@ logits soft-cap, attention sinks, or quantized (fp8) KV cache; no CUDA graphs fo
 attention (the builder reads lengths on the host).
 
 Select it with ``--attention-backend GRAFT`` (``AttentionConfig(backend="GRAFT")``), or
-let ``GRAFT_VLLM_ATTENTION_OVERRIDE=TRITON_ATTN`` route a built-in backend to it.
+let ``GRAFT_VLLM_ATTENTION_OVERRIDE=TRITON_ATTN`` route a built-in backend to it. vLLM's
+CPU platform always picks ``CPU_ATTN`` (it ignores ``--attention-backend``), so there the
+override ``GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN`` is the way in.
 """
 from __future__ import annotations
 

@@ -86,9 +86,25 @@ def activate() -> dict:
             except Exception as exc:  # one broken part must not keep the others out
                 summary[part] = f"failed: {type(exc).__name__}: {exc}"
                 log.warning("graft: could not register %s with vLLM: %s: %s", part, type(exc).__name__, exc)
+        _warm_graft_registry()
         _summary = summary
         log.info("graft: vLLM integration active: %s", ", ".join(f"{k} ({v})" for k, v in summary.items()))
         return summary
+
+
+def _warm_graft_registry() -> None:
+    """Load graft's plugins and kernels now, outside any torch.compile trace.
+
+    vLLM's first forward (the profile run) is usually compiled; were graft's plugin host
+    first built inside that trace, Dynamo would hit its lock and kernel-module imports
+    and break the graph (an error under vLLM's fullgraph compile).
+    """
+    from graft.plugins import get_registry
+
+    try:
+        get_registry()
+    except Exception as exc:  # graft's own dispatch reports it again, with context, on first use
+        log.warning("graft: could not load graft's plugins at vLLM start-up: %s: %s", type(exc).__name__, exc)
 
 
 def activation_summary() -> dict | None:
