@@ -51,8 +51,7 @@ def test_status_command():
                           env=_clean_env(GRAFT_VLLM_ATTENTION_OVERRIDE="TRITON_ATTN"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[0] == "graft vLLM integration: can activate (vllm 0.33.0 installed)" or lines[0].startswith(
-        "graft vLLM integration: can activate"), lines
+    assert lines[0].startswith("graft vLLM integration: can activate"), lines
     for line in (
         "  attention: registered; serves TRITON_ATTN",
         "  moe: registered",
