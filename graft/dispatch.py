@@ -1,10 +1,15 @@
 """Run an op through backend selection: validate input, pick an implementation, call it."""
 from __future__ import annotations
 
+import logging
+
+from graft import config, selection
+from graft.errors import GraftUnsupportedError
 from graft.platform import device_info
 from graft.plugins import get_registry
 from graft.registry import Implementation, key_tensor
-from graft.selection import decide
+
+log = logging.getLogger("graft.dispatch")
 
 
 def select(op: str, *args, **kwargs) -> Implementation:
@@ -17,12 +22,30 @@ def select(op: str, *args, **kwargs) -> Implementation:
     else:
         device_type, dtype = tensor.device.type, tensor.dtype
         arch = device_info(tensor.device).arch if device_type == "cuda" else device_type
-    return decide(registry, op, device_type, dtype, arch, args, kwargs).selected
+    return selection.decide(registry, op, device_type, dtype, arch, args, kwargs).selected
 
 
 def call(op: str, *args, **kwargs):
-    """Validate the arguments once (the same checks for every backend), then run the selected impl."""
+    """Validate the arguments once (the same checks for every backend), then run the selected impl.
+
+    An implementation may find out only when it runs that it cannot serve (a lazy
+    extension build that fails, say): it raises GraftUnsupportedError after recording
+    why, and the call falls back to the next implementation, with the reason logged,
+    unless GRAFT_STRICT=1.
+    """
     spec = get_registry().op(op)
     if spec.validate is not None:
         spec.validate(*args, **kwargs)
-    return select(op, *args, **kwargs).fn(*args, **kwargs)
+    impl = select(op, *args, **kwargs)
+    try:
+        return impl.fn(*args, **kwargs)
+    except GraftUnsupportedError as exc:
+        if impl.backend == config.REFERENCE_BACKEND or config.parse_bool("GRAFT_STRICT", False):
+            raise
+        selection.reset_caches()
+        fallback = select(op, *args, **kwargs)
+        if fallback is impl:  # it still claims it can serve: don't loop, report
+            raise
+        log.warning("%s: %s (%s) failed at run time: %s; using %s", op, impl.backend, impl.provider, exc,
+                    fallback.backend)
+        return fallback.fn(*args, **kwargs)

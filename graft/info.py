@@ -15,6 +15,8 @@ from graft.platform import default_device, device_info, triton_interpret
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--device", default=None, help="device to decide for (default: this machine's accelerator, else cpu)")
+    parser.add_argument("--arch", default=None,
+                        help="decide for this GPU architecture (sm_90, gfx942...) instead of the local device's")
     parser.add_argument("--dtype", default=None, help="dtype to decide for (default: each op's first supported dtype)")
     parser.add_argument("--op", action="append", default=None, help="only these ops (repeatable)")
 
@@ -28,14 +30,14 @@ def _dtype(name: str | None):
     return value
 
 
-def collect(device=None, dtype=None, ops=None) -> dict:
+def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
     from graft.plugins import get_host
     from graft.selection import explain
 
     host = get_host()
     registry = host.registry
     device = torch.device(device) if device else default_device()
-    info = device_info(device)
+    info = device_info(device, arch=arch)
     known = registry.families()
     wanted = ops or sorted(registry.ops)
     for name in wanted:
@@ -55,7 +57,7 @@ def collect(device=None, dtype=None, ops=None) -> dict:
     for name in wanted:
         spec = registry.op(name)
         op_dtype = dtype if dtype is not None else spec.dtypes[0] if spec.dtypes else None
-        decision = explain(registry, name, device=device, dtype=op_dtype)
+        decision = explain(registry, name, device=device, dtype=op_dtype, arch=info.arch)
         entry = decision.as_dict()
         entry.update(family=spec.family, signature=spec.signature, dtype=str(op_dtype).replace("torch.", ""))
         report["ops"].append(entry)
@@ -113,10 +115,15 @@ def render_text(report: dict) -> str:
         if op["fell_back"]:
             head += f"  (fell back from requested {','.join(op['requested'])})"
         lines.append(head)
+        reasons = {c["reason"] for c in op["candidates"]}
+        if selected is None and len(reasons) == 1 and op["candidates"]:
+            lines.append(f"    ! {reasons.pop()}")
+            continue
         for c in op["candidates"]:
             is_sel = selected is not None and c["backend"] == selected["backend"] and c["provider"] == selected["provider"]
             mark = ">" if is_sel else " "
-            status = "ok" if c["usable"] else c["reason"]
+            status = c["reason"] if not c["usable"] else (
+                "ok (checked per call)" if c["checks_each_call"] else "ok")
             lines.append(f"    {mark} {c['backend']:<10} ({c['provider']}) {status}")
         if selected is None:
             lines.append("    ! nothing can serve this op here")
@@ -124,7 +131,7 @@ def render_text(report: dict) -> str:
 
 
 def run(args) -> int:
-    report = collect(device=args.device, dtype=_dtype(args.dtype), ops=args.op)
+    report = collect(device=args.device, dtype=_dtype(args.dtype), ops=args.op, arch=args.arch)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")

@@ -64,11 +64,20 @@ def _cuda_device_info(index: int) -> DeviceInfo:
     return DeviceInfo("cuda", "nvidia", f"sm_{props.major}{props.minor}", props.name)
 
 
-def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """Describe ``device`` (default: the current accelerator if there is one, else the CPU)."""
+def device_info(device: torch.device | str | None = None, arch: str | None = None) -> DeviceInfo:
+    """Describe ``device`` (default: the current accelerator if there is one, else the CPU).
+
+    ``arch`` describes a hypothetical GPU of that architecture instead (``graft info --arch``);
+    a CUDA device on a machine without one is described as architecture "unknown".
+    """
     if device is None:
-        device = default_device()
+        device = torch.device("cuda") if arch else default_device()
     device = torch.device(device)
+    if device.type == "cuda" and arch:
+        vendor = "amd" if arch.startswith("gfx") else "nvidia" if arch.startswith("sm_") else "unknown"
+        return DeviceInfo("cuda", vendor, arch, f"{arch} (not this machine's)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return DeviceInfo("cuda", "unknown", "unknown", "no GPU visible to torch")
     if device.type == "cuda":
         return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
     return DeviceInfo(device.type, "cpu" if device.type == "cpu" else device.type, device.type, device.type)

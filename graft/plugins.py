@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 import pluggy
+import torch
 
 from graft import config, hookspecs
 from graft.registry import Implementation, Registry
@@ -166,14 +167,24 @@ _host_lock = threading.Lock()
 
 
 def get_host() -> PluginHost:
-    global _host
     host = _host
     if host is not None:  # lock-free fast path: every op call comes through here
         return host
+    return _load_host()
+
+
+@torch.compiler.disable(reason="graft loads its adapter plugins eagerly, never inside a traced graph")
+def _load_host() -> PluginHost:
+    # If the very first graft call happens while torch.compile traces, this runs eagerly
+    # (one graph break, before any graft op); load graft first (graft.get_registry()) to
+    # compile with fullgraph=True from a cold start.
+    global _host
     with _host_lock:
         if _host is None:
             config.configure_logging()
-            _host = PluginHost()
+            host = PluginHost()
+            host.registry  # build it now: op calls then never meet the build lock
+            _host = host
         return _host
 
 

@@ -60,7 +60,8 @@ class Decision:
 
 
 def _impl_dict(impl: Implementation) -> dict:
-    return {"backend": impl.backend, "provider": impl.provider, "description": impl.description}
+    return {"backend": impl.backend, "provider": impl.provider, "description": impl.description,
+            "checks_each_call": impl.check is not None}
 
 
 def _ordered_backends(priority: tuple, default: tuple, registry_backends: set) -> list:
@@ -89,10 +90,16 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
         by_backend.setdefault(impl.backend, []).append(impl)
     candidates = []
     whole_op_off = settings.is_disabled("all", op, spec.family)
+    op_rejects = None
+    if dtype is not None and spec.dtypes and dtype not in spec.dtypes:
+        accepted = ", ".join(str(d).replace("torch.", "") for d in spec.dtypes)
+        op_rejects = f"{op} does not accept dtype {str(dtype).replace('torch.', '')} (accepts {accepted})"
     for backend in _ordered_backends(tuple(priority), settings.global_priority, set(by_backend)):
         for impl in by_backend.get(backend, []):
             off = settings.is_disabled(backend)
-            if whole_op_off and backend != config.REFERENCE_BACKEND:
+            if op_rejects:
+                reason = op_rejects
+            elif whole_op_off and backend != config.REFERENCE_BACKEND:
                 reason = f"disabled by GRAFT_DISABLE={whole_op_off}"
             elif off and backend != config.REFERENCE_BACKEND:
                 reason = f"disabled by GRAFT_DISABLE={off}"
@@ -167,11 +174,12 @@ def _reasons(candidates) -> str:
     return "\n".join(f"  - {c.impl.backend} ({c.impl.provider}): {c.reason}" for c in candidates) or "  (no implementations)"
 
 
-def explain(registry: Registry, op: str, device=None, dtype=None) -> Decision:
-    """What would serve ``op`` on ``device`` (default: this machine's) for ``dtype``."""
+def explain(registry: Registry, op: str, device=None, dtype=None, arch=None) -> Decision:
+    """What would serve ``op`` on ``device`` (default: this machine's) for ``dtype``;
+    ``arch`` ("sm_90", "gfx942") asks about a GPU this machine need not have."""
     from graft.platform import device_info
 
-    info = device_info(device)
+    info = device_info(device, arch=arch)
     try:
         return decide(registry, op, info.type, dtype, info.arch)
     except GraftUnsupportedError:

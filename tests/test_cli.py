@@ -44,8 +44,27 @@ def test_invalid_env_value_exits_2_with_valid_names():
 
 
 def test_unknown_op_and_dtype_are_usage_errors():
-    assert "unknown op 'nope.op'" in graft("info", "--op", "nope.op").stderr
-    assert "is not a torch dtype" in graft("info", "--dtype", "float17").stderr
+    proc = graft("info", "--op", "nope.op")
+    assert proc.returncode == 2 and "unknown op 'nope.op'" in proc.stderr
+    proc = graft("info", "--dtype", "float17")
+    assert proc.returncode == 2 and "is not a torch dtype" in proc.stderr
+
+
+def test_info_for_a_gpu_this_machine_may_not_have():
+    proc = graft("info", "--json", "--device", "cuda", "--arch", "gfx942", "--op", "fused.rms_norm")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["device"] == {"type": "cuda", "vendor": "amd", "arch": "gfx942", "family": "cdna3",
+                                "name": "gfx942 (not this machine's)"}
+    assert report["ops"][0]["selected"] is not None
+    proc = graft("info", "--device", "cuda", "--op", "attention.prefill")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_info_says_when_the_op_rejects_the_dtype():
+    proc = graft("info", "--op", "fused.rms_norm", "--dtype", "int8")
+    assert proc.returncode == 0
+    assert "! fused.rms_norm does not accept dtype int8 (accepts float16, bfloat16, float32)" in proc.stdout
 
 
 def test_no_command_prints_help():

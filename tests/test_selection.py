@@ -167,3 +167,39 @@ def test_no_implementation_at_all_is_a_clear_error(fresh_graft):
     message = str(err.value)
     assert "no implementation of fused.toy_scale" in message
     assert "dtype float16 not supported" in message and "device type 'cuda' not supported" in message
+
+
+def test_runtime_failure_falls_back_with_the_reason_logged(fresh_graft, monkeypatch, caplog):
+    """An impl that learns only when it runs that it can't serve (a failed lazy build)."""
+    import graft
+    from graft.errors import GraftUnsupportedError
+    from graft.plugins import get_host
+    from graft.registry import Implementation
+
+    class LazyBuild:
+        failure = None
+
+        @hookimpl
+        def graft_register_kernels(self, registry):
+            def run(x, factor):
+                LazyBuild.failure = "nvcc exited with status 1"
+                raise GraftUnsupportedError(f"build failed: {LazyBuild.failure}")
+
+            registry.add_impl(Implementation(op="fused.toy_scale", backend="lazy", fn=run,
+                                             available=lambda: LazyBuild.failure and f"build failed: {LazyBuild.failure}"))
+
+    host = get_host()
+    host.register(ToyAdapter(), "toy")
+    host.register(LazyBuild(), "lazy")
+    monkeypatch.setenv("GRAFT_FUSED", "lazy,torch")
+    caplog.set_level(logging.WARNING, logger="graft")
+    out = graft.call("fused.toy_scale", torch.ones(3), 2.0)
+    assert out.tolist() == [2.0, 2.0, 2.0]
+    assert any("lazy (lazy) failed at run time: build failed: nvcc exited" in r.getMessage() for r in caplog.records)
+    assert graft.select("fused.toy_scale", torch.ones(3), 2.0).backend == "torch"  # remembered
+
+    LazyBuild.failure = None
+    monkeypatch.setenv("GRAFT_STRICT", "1")
+    reset_caches()
+    with pytest.raises(GraftUnsupportedError, match="build failed"):
+        graft.call("fused.toy_scale", torch.ones(3), 2.0)
