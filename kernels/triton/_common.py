@@ -1,4 +1,5 @@
-"""What every Triton kernel module needs: where Triton can run, and input preparation."""
+"""What every Triton kernel module needs: where Triton can run, one way to declare a
+triton implementation, and the launch device guard."""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +7,9 @@ import contextlib
 import torch
 
 from graft.platform import triton_interpret
+from graft.registry import Implementation
+
+BACKEND = "triton"
 
 
 def triton_devices() -> frozenset:
@@ -33,3 +37,25 @@ def on_device(where: "torch.Tensor | torch.device"):
     current CUDA device, which need not be the one the tensors live on."""
     device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def triton_implementation(
+    op: str, fn, *, custom_op, description: str, dtypes, check=None, priority: int = 0
+) -> Implementation:
+    """A triton Implementation: on the devices Triton can run on here (see
+    :func:`triton_devices`), available when :func:`triton_unavailable` finds nothing missing.
+
+    ``custom_op`` is the torch.library op ``fn`` calls; ``check`` a per-call reason to fall back.
+    """
+    return Implementation(
+        op=op,
+        backend=BACKEND,
+        fn=fn,
+        description=description,
+        devices=triton_devices(),
+        dtypes=frozenset(dtypes),
+        available=triton_unavailable,
+        check=check,
+        custom_op=custom_op,
+        priority=priority,
+    )

@@ -30,8 +30,7 @@ from graft.kernels.triton._attention_common import (
     resolve_scale,
 )
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "attention.decode_paged"
 
@@ -204,30 +203,31 @@ def _decode(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused by the single-pass kernel
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
-        softmax_scale * LOG2E,
-        head_dim,
-        block_size,
-        num_splits,
-        GROUP=group,
-        SINGLE_PASS=num_splits == 1,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d,
-        **dot_flags(query.dtype),
-        **cfg,
-    )
-    if num_splits > 1:
-        _combine_kernel[(num_seqs, num_heads)](
-            part_acc, part_max, part_sum, out,
-            *out.stride(),
+    with on_device(query):
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
+            softmax_scale * LOG2E,
             head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            block_size,
+            num_splits,
+            GROUP=group,
+            SINGLE_PASS=num_splits == 1,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_D=block_d,
-            num_warps=cfg["num_warps"],
+            **dot_flags(query.dtype),
+            **cfg,
         )
+        if num_splits > 1:
+            _combine_kernel[(num_seqs, num_heads)](
+                part_acc, part_max, part_sum, out,
+                *out.stride(),
+                head_dim,
+                NUM_SPLITS=num_splits,
+                BLOCK_S=triton.next_power_of_2(num_splits),
+                BLOCK_D=block_d,
+                num_warps=cfg["num_warps"],
+            )
     return out
 
 
@@ -257,16 +257,8 @@ def check(query, *args, **kwargs):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op=OP,
-            backend="triton",
-            fn=decode_paged,
-            description="Triton paged-KV decode attention (GQA, split-K flash-decoding)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            check=check,
-            custom_op=decode_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        OP, decode_paged, custom_op=decode_op, check=check,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton paged-KV decode attention (GQA, split-K flash-decoding)",
+    ))

@@ -27,8 +27,7 @@ from graft.kernels.triton._attention_common import (
     resolve_scale,
 )
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "attention.prefill"
 
@@ -189,17 +188,18 @@ def _prefill(
     block_d = head_dim_block(head_dim)
     cfg = _tiles(q.device, block_d, q.dtype)
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)
-    _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        softmax_scale * LOG2E,
-        head_dim,
-        GROUP=num_heads // k.shape[1],
-        CAUSAL=causal,
-        BLOCK_D=block_d,
-        **dot_flags(q.dtype),
-        **cfg,
-    )
+    with on_device(q):
+        _prefill_kernel[grid](
+            q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            softmax_scale * LOG2E,
+            head_dim,
+            GROUP=num_heads // k.shape[1],
+            CAUSAL=causal,
+            BLOCK_D=block_d,
+            **dot_flags(q.dtype),
+            **cfg,
+        )
     return out
 
 
@@ -234,16 +234,8 @@ def check(q, k, v, cu_seqlens_q, *args, **kwargs):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op=OP,
-            backend="triton",
-            fn=prefill,
-            description="Triton flash-attention forward (varlen, causal bottom-right, GQA)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            check=check,
-            custom_op=prefill_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        OP, prefill, custom_op=prefill_op, check=check,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton flash-attention forward (varlen, causal bottom-right, GQA)",
+    ))

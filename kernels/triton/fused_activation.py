@@ -11,8 +11,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 TILES = {
     "default": {"block": 1024, "num_warps": 4},
@@ -59,15 +58,8 @@ def silu_and_mul(x):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="fused.silu_and_mul",
-            backend="triton",
-            fn=silu_and_mul,
-            description="Triton SiLU-and-mul (fp32 math, one read of each half)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            custom_op=silu_and_mul_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "fused.silu_and_mul", silu_and_mul, custom_op=silu_and_mul_op,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton SiLU-and-mul (fp32 math, one read of each half)",
+    ))

@@ -13,8 +13,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 # max_block: widest tile one program holds; longer rows are streamed in max_block chunks.
 TILES = {
@@ -122,15 +121,8 @@ def rms_norm(x, weight, eps=1e-6, residual=None):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="fused.rms_norm",
-            backend="triton",
-            fn=rms_norm,
-            description="Triton RMSNorm (one program per row, fp32 reduction, optional fused residual add)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            custom_op=rms_norm_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "fused.rms_norm", rms_norm, custom_op=rms_norm_op,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton RMSNorm (one program per row, fp32 reduction, optional fused residual add)",
+    ))

@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 
 @triton.jit
@@ -104,15 +103,8 @@ def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="fused.rotary_embedding",
-            backend="triton",
-            fn=rotary_embedding,
-            description="Triton rotary embedding, q and k in one launch (neox/GPT-J, partial rotary)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            custom_op=rotary_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "fused.rotary_embedding", rotary_embedding, custom_op=rotary_op,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton rotary embedding, q and k in one launch (neox/GPT-J, partial rotary)",
+    ))

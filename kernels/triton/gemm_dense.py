@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import (
     activate,
     fp32_dot_precision,
@@ -23,7 +23,6 @@ from graft.kernels.triton._gemm_common import (
     tile_coords,
     upcast_dot_operands,
 )
-from graft.registry import Implementation
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -121,15 +120,7 @@ def linear(x, weight, bias=None, activation="none"):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="gemm.linear",
-            backend="triton",
-            fn=linear,
-            description="Triton tiled GEMM, fp32 accumulation, bias + activation fused in the epilogue",
-            devices=triton_devices(),
-            dtypes=_FLOAT_DTYPES,
-            available=triton_unavailable,
-            custom_op=linear_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "gemm.linear", linear, custom_op=linear_op, dtypes=_FLOAT_DTYPES,
+        description="Triton tiled GEMM, fp32 accumulation, bias + activation fused in the epilogue",
+    ))

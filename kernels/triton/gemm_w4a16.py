@@ -17,14 +17,13 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import (
     fp32_dot_precision,
     pick_tiles,
     tile_coords,
     upcast_dot_operands,
 )
-from graft.registry import Implementation
 
 TILES = {
     "large_m": {
@@ -175,16 +174,8 @@ def check(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gp
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="gemm.w4a16",
-            backend="triton",
-            fn=w4a16,
-            description="Triton GEMM with GPTQ/AWQ int4 dequantized in the kernel, group-wise scales and zeros",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            check=check,
-            custom_op=w4a16_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "gemm.w4a16", w4a16, custom_op=w4a16_op, check=check,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton GEMM with GPTQ/AWQ int4 dequantized in the kernel, group-wise scales and zeros",
+    ))

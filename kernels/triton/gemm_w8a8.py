@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
-from graft.registry import Implementation
 
 TILES = {
     "large_m": {
@@ -120,15 +119,7 @@ def w8a8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.float16):
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op="gemm.w8a8",
-            backend="triton",
-            fn=w8a8,
-            description="Triton int8 GEMM, int32 accumulation, per-token/per-channel scales and bias in the epilogue",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.int8}),
-            available=triton_unavailable,
-            custom_op=w8a8_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        "gemm.w8a8", w8a8, custom_op=w8a8_op, dtypes={torch.int8},
+        description="Triton int8 GEMM, int32 accumulation, per-token/per-channel scales and bias in the epilogue",
+    ))

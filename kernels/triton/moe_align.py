@@ -23,9 +23,8 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.ops.moe import aligned_sizes
-from graft.registry import Implementation
 
 OP = "moe.align_block_size"
 
@@ -152,9 +151,7 @@ def _call(topk_ids, block_size, num_experts):
 
 
 def register(registry) -> None:
-    registry.add_impl(Implementation(
-        op=OP, backend="triton", fn=_call,
+    registry.add_impl(triton_implementation(
+        OP, _call, custom_op=align_block_size_triton, dtypes={torch.int32},
         description="chunked one-hot count, single-program scan, stable scatter",
-        devices=triton_devices(), dtypes=frozenset({torch.int32}),
-        available=triton_unavailable, custom_op=align_block_size_triton,
     ))

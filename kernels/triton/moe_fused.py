@@ -25,10 +25,9 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align import align_block_size_launch
 from graft.platform import triton_interpret
-from graft.registry import Implementation
 
 OP = "moe.fused_experts"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -240,9 +239,7 @@ def _call(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
 
 
 def register(registry) -> None:
-    registry.add_impl(Implementation(
-        op=OP, backend="triton", fn=_call,
+    registry.add_impl(triton_implementation(
+        OP, _call, custom_op=fused_experts_triton, dtypes=DTYPES,
         description="aligned grouped GEMMs, SiLU-and-mul fused into GEMM 1, weighted GEMM 2, ordered combine",
-        devices=triton_devices(), dtypes=DTYPES,
-        available=triton_unavailable, custom_op=fused_experts_triton,
     ))

@@ -16,8 +16,7 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
-from graft.registry import Implementation
+from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "moe.topk_routing"
 MAX_EXPERTS = 1024
@@ -121,9 +120,8 @@ def _call(router_logits, top_k, renormalize=True, scoring="softmax"):
 
 
 def register(registry) -> None:
-    registry.add_impl(Implementation(
-        op=OP, backend="triton", fn=_call,
+    registry.add_impl(triton_implementation(
+        OP, _call, custom_op=topk_routing_triton, check=_check,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="one-tile fp32 softmax/sigmoid + iterative top-k",
-        devices=triton_devices(), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        available=triton_unavailable, check=_check, custom_op=topk_routing_triton,
     ))

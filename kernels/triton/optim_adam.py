@@ -20,9 +20,8 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._common import on_device, triton_devices, triton_unavailable
+from graft.kernels.triton._common import on_device, triton_implementation
 from graft.platform import triton_interpret
-from graft.registry import Implementation
 
 OP = "fused.adam_step"
 
@@ -134,15 +133,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
 
 
 def register(registry) -> None:
-    registry.add_impl(
-        Implementation(
-            op=OP,
-            backend="triton",
-            fn=adam_step,
-            description="Triton Adam/AdamW step (one fused elementwise pass per tensor, fp32 math)",
-            devices=triton_devices(),
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-            available=triton_unavailable,
-            custom_op=adam_step_op,
-        )
-    )
+    registry.add_impl(triton_implementation(
+        OP, adam_step, custom_op=adam_step_op,
+        dtypes={torch.float16, torch.bfloat16, torch.float32},
+        description="Triton Adam/AdamW step (one fused elementwise pass per tensor, fp32 math)",
+    ))
