@@ -12,7 +12,7 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
-OUT="${GRAFT_GPU_REPORT:-gpu-conformance-report}"
+OUT="${GPU_REPORT_DIR:-gpu-conformance-report}"
 
 if ! "$PY" - <<'PYEOF'
 import sys, torch
@@ -27,7 +27,7 @@ then
 fi
 
 export GRAFT_TEST_DEVICE=cuda TRITON_INTERPRET=0
-KERNEL_TESTS=$(ls tests/test_attention*.py tests/test_gemm*.py tests/test_moe*.py tests/test_fused*.py 2>/dev/null || true)
+KERNEL_TESTS=$(ls tests/test_attention*.py tests/test_gemm*.py tests/test_moe*.py tests/test_fused*.py tests/test_optim_adam.py tests/test_compile.py tests/test_triton_aot.py 2>/dev/null || true)
 echo "== kernel numerics on the GPU: $KERNEL_TESTS"
 # shellcheck disable=SC2086
 timeout 300 "$PY" -m pytest -q -x --timeout 240 -p no:cacheprovider $KERNEL_TESTS

@@ -3,7 +3,7 @@
 Public entry points:
 
 * :func:`graft.get_registry` - the op registry, populated by every installed adapter plugin.
-* :func:`graft.call` - run an op through backend selection (``graft.call("gemm.mm", a, b)``).
+* :func:`graft.call` - run an op through backend selection (``graft.call("gemm.linear", x, weight)``).
 * :func:`graft.select` / :func:`graft.explain` - what would run, and why.
 """
 from graft._version import __version__

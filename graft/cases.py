@@ -17,7 +17,7 @@ import torch
 
 @dataclass(frozen=True)
 class OpCase:
-    op: str  # op name, e.g. "gemm.mm"
+    op: str  # op name, e.g. "gemm.linear"
     name: str  # short shape description, e.g. "m127_n65_k96_bias_gelu"
     # (device, dtype, generator) -> (args, kwargs); must be deterministic given the generator.
     make_inputs: Callable

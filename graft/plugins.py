@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -22,7 +23,6 @@ from graft.registry import Implementation, Registry
 log = logging.getLogger("graft.plugins")
 
 ENTRY_POINT_GROUP = "graft.adapters"
-config.declare_env_var("GRAFT_DISABLE_PLUGINS", "adapter plugin names not to load")
 
 
 @dataclass
@@ -69,7 +69,7 @@ class PluginHost:
             self.load_entry_points()
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        blocked = set(config.split_list(__import__("os").environ.get("GRAFT_DISABLE_PLUGINS")))
+        blocked = set(config.split_list(os.environ.get("GRAFT_DISABLE_PLUGINS")))
         for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
             if ep.name in self.records:
                 continue  # the same name installed twice: first one wins

@@ -1,6 +1,6 @@
 """The op catalogue: one module per family, each defining ``OPS`` (a list of OpSpec),
 the torch references, input validation and the public entry points
-(e.g. ``graft.ops.gemm.mm(a, b)``) that dispatch through backend selection.
+(e.g. ``graft.ops.gemm.linear(x, weight)``) that dispatch through backend selection.
 
 Modules are discovered, so adding a family module needs no edit here.
 """
