@@ -35,3 +35,30 @@ def test_entry_points_declared(wheel):
     text = wheel.read(ep).decode()
     assert "[graft.adapters]" in text and "torch = graft.adapters.torch_reference" in text
     assert "[vllm.general_plugins]" in text and "[console_scripts]" in text
+
+
+BARE = {"adapters", "kernels", "patches", "conformance", "ops"}
+
+
+def test_no_import_uses_a_bare_top_level_name():
+    """`python -m pytest` from the repository root puts the root on sys.path, where a bare
+    `import kernels` would work by accident and then break once installed; forbid it."""
+    import ast
+
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in {"build", ".venv", "dist"} or "site-packages" in rel.parts:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(rel))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+                  and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names = [node.args[0].value]
+            offenders += [f"{rel}:{node.lineno}: {n}" for n in names if n.split(".")[0] in BARE]
+    assert not offenders, offenders
