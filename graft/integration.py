@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable
 
+import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -69,3 +71,75 @@ def integrations() -> list:
     from graft.plugins import get_host
 
     return get_host().collect("graft_framework_integrations")
+
+
+# ---------------------------------------------------------------------------- call counters
+
+_counters: dict = {}  # framework name -> CallCounter
+
+
+class CallCounter:
+    """What graft served inside one framework, and what it handed back to the framework.
+
+    ``calls`` maps keys to counts: the adapter's own keys (e.g. ``"gemm.linear:triton"``)
+    and ``"fallback.<what>"`` for calls the framework's own code ran. A fallback's reason
+    is also logged once per ``(what, reason)`` at INFO on ``graft.integration.<framework>``,
+    so a user can see why graft did not serve a call.
+
+    Safe under ``torch.compile``: no lock is taken (a rare race between threads can lose
+    one count or log a line twice), and inside a traced region the recording goes through
+    a side-effecting custom op, so it happens each time the compiled graph runs instead of
+    once at trace time or as a graph break.
+    """
+
+    def __init__(self, framework: str):
+        self.framework = framework
+        self.calls: Counter = Counter()
+        self.log = logging.getLogger(f"graft.integration.{framework}")
+        self._logged: set = set()
+        _counters[framework] = self
+
+    def count(self, key: str, n: int = 1) -> None:
+        if torch.compiler.is_compiling():
+            torch.ops.graft.integration_count(self.framework, key, n)
+        else:
+            _record(self.framework, key, n)
+
+    def fallback(self, what: str, reason: str) -> None:
+        """Count ``fallback.<what>`` and log ``reason`` (once per pair)."""
+        if torch.compiler.is_compiling():
+            torch.ops.graft.integration_fallback(self.framework, what, reason)
+        else:
+            _record_fallback(self.framework, what, reason)
+
+    def reset(self) -> None:
+        """Forget counts and which reasons were logged (tests use this)."""
+        self.calls.clear()
+        self._logged.clear()
+
+
+def _record(framework: str, key: str, n: int) -> None:
+    _counters[framework].calls[key] += n
+
+
+def _record_fallback(framework: str, what: str, reason: str) -> None:
+    counter = _counters[framework]
+    counter.calls[f"fallback.{what}"] += 1
+    if (what, reason) in counter._logged:
+        return
+    counter._logged.add((what, reason))
+    counter.log.info("graft did not serve %s (%s); %s's own code ran it", what, reason, framework)
+
+
+def _define_recording_ops() -> None:
+    # Dynamo drops (or breaks the graph on) plain Python side effects in functions it
+    # inlines, even ones in reorderable_logging_functions; an op it must keep is replayed
+    # on every run of the compiled graph, by every backend.
+    from graft.custom_ops import define_op
+
+    for name, fn in (("integration_count", _record), ("integration_fallback", _record_fallback)):
+        op = define_op(name, fn, fake=lambda *args: None)
+        torch.fx.node.has_side_effect(op._opoverload)
+
+
+_define_recording_ops()

@@ -186,6 +186,43 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert ds_comm.TorchBackend is TorchBackend
 
 
+def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
+    """Collectives graft does not serve go to torch.distributed, counted, each reason logged once."""
+    import logging
+
+    import torch.distributed as dist
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        # DeepSpeed's __init__ only sets up the process group and its shm extension (a C++
+        # build); the collectives themselves read no instance state.
+        backend = GraftTorchBackend.__new__(GraftTorchBackend)
+        caplog.set_level(logging.INFO, logger="graft.integration.deepspeed")
+        before = dict(ds_graft.calls)
+        ints, floats = torch.arange(4), torch.full((3,), 2.0)
+        backend.all_reduce(ints)
+        backend.all_reduce(ints)  # same reason: counted again, not logged again
+        backend.all_reduce(floats, op=dist.ReduceOp.PRODUCT)
+        backend.all_reduce(floats)  # served by graft
+        assert ints.tolist() == [0, 1, 2, 3] and floats.tolist() == [2.0, 2.0, 2.0]  # one rank: unchanged
+    finally:
+        if created:
+            dist.destroy_process_group()
+    delta = {k: v - before.get(k, 0) for k, v in ds_graft.calls.items() if v != before.get(k, 0)}
+    served_by = [k for k in delta if k.startswith("collectives.all_reduce:")]
+    assert delta.pop("fallback.all_reduce") == 3 and delta.pop("collectives.all_reduce") == 1, delta
+    assert len(served_by) == 1 and delta.pop(served_by[0]) == 1 and not delta, delta
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "graft.integration.deepspeed"]
+    assert logged == [
+        (logging.INFO, "graft did not serve all_reduce (dtype torch.int64); deepspeed's own code ran it"),
+        (logging.INFO, f"graft did not serve all_reduce (reduce op {dist.ReduceOp.PRODUCT}); deepspeed's own code ran it"),
+    ], logged
+
+
 # ------------------------------------------------------------------ ZeRO 1-3 on 2 gloo ranks
 
 

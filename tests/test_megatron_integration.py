@@ -23,6 +23,7 @@ What runs where (megatron-core 0.16.1 on a CPU-only torch):
   to ``torch.cuda.current_device()``): the whole-GPTModel test uses learned positions.
 """
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -212,14 +213,47 @@ def test_gpt_model_with_graft_layers_matches_local(megatron_cpu, calls):
     assert (served("fused.rms_norm"), served("gemm.linear"), served("attention.prefill")) == (4, 8, 2), dict(calls)
 
 
-def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls):
+def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls, caplog):
     local, grafted = _build_pair(_config())
     x = torch.randn(5, 1, HIDDEN)
+    caplog.set_level(logging.INFO, logger="graft.integration.megatron")
     with torch.no_grad():
         out_ref, _ = local(x, attention_mask=_causal_mask(5))
         out_graft, _ = grafted(x, attention_mask=_causal_mask(5))
+        grafted(x, attention_mask=_causal_mask(5))  # the same reason again: counted, not logged again
     torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
-    assert calls["fallback.GraftDotProductAttention"] == 1
+    assert calls["fallback.GraftDotProductAttention"] == 2
+    # The rest of the layer was still graft's.
+    served = {key.split(":")[0] for key in calls if not key.startswith("fallback.")}
+    assert {"fused.rms_norm", "gemm.linear"} <= served, dict(calls)
+    logged = [r.getMessage() for r in caplog.records if r.name == "graft.integration.megatron"]
+    assert logged == ["graft did not serve GraftDotProductAttention (explicit attention_mask); megatron's own code "
+                      "ran it"], logged
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "graft.integration.megatron")
+
+
+def test_call_counter_is_torch_compile_safe(calls, caplog):
+    """Counting and fallback logging inside a compiled region: no graph break, recorded on every run."""
+    from graft.adapters.megatron import stats
+
+    caplog.set_level(logging.INFO, logger="graft.integration.megatron")
+
+    def fn(x):
+        stats.count("probe:compiled")
+        stats.fallback("Probe", "traced reason")
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    assert calls["probe:compiled"] == 3 and calls["fallback.Probe"] == 3, dict(calls)
+    logged = [r.getMessage() for r in caplog.records if r.name == "graft.integration.megatron"]
+    assert logged == ["graft did not serve Probe (traced reason); megatron's own code ran it"], logged
+    stats.reset()
+    assert not calls
+    compiled(torch.ones(3))  # reset forgets what was logged, too
+    assert calls["fallback.Probe"] == 1 and len([r for r in caplog.records if r.name == "graft.integration.megatron"]) == 2
 
 
 def test_packed_sequences_match_per_sequence_attention(megatron_cpu, calls):

@@ -12,7 +12,8 @@ graft's collectives are functional (they return a new tensor), DeepSpeed's write
 their arguments, so each routed call copies the result into place. graft runs them
 synchronously: an ``async_op=True`` caller gets a handle that is already complete.
 Calls graft does not serve (other reduce ops such as AVG/PRODUCT, integer tensors) go to
-``torch.distributed`` exactly as without graft, and are counted as fallbacks.
+``torch.distributed`` exactly as without graft, and are counted as fallbacks (each reason
+logged once at INFO on ``graft.integration.deepspeed``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
 
-from graft.adapters.deepspeed.stats import count
+from graft.adapters.deepspeed.stats import count, fallback
 
 # The dtypes graft's collectives ops are specified for.
 ROUTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,8 +55,20 @@ def _reduce_name(op):
     return None
 
 
-def _routable(*tensors) -> bool:
-    return all(isinstance(t, torch.Tensor) and t.dtype in ROUTED_DTYPES for t in tensors)
+def _unroutable_reason(*tensors) -> str | None:
+    """Why graft's collectives cannot take these tensors (None: they can)."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return f"argument of type {type(t).__name__}"
+        if t.dtype not in ROUTED_DTYPES:
+            return f"dtype {t.dtype}"
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        return "input and output dtypes differ"
+    return None
+
+
+def _reduce_reason(name, op) -> str | None:
+    return f"reduce op {op}" if name is None else None
 
 
 def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
@@ -89,8 +102,9 @@ class GraftTorchBackend(TorchBackend):
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         name = _reduce_name(self._reduce_op(op))
-        if name is None or not _routable(tensor):
-            count("fallback.all_reduce")
+        reason = _reduce_reason(name, op) or _unroutable_reason(tensor)
+        if reason is not None:
+            fallback("all_reduce", reason)
             return super().all_reduce(tensor, op, group, async_op)
         with torch.no_grad():
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
@@ -101,8 +115,9 @@ class GraftTorchBackend(TorchBackend):
         if dist.get_world_size(group=group) <= 1:
             return tensor
         name = _reduce_name(self._reduce_op(op))
-        if name is None or not _routable(tensor):
-            count("fallback.inference_all_reduce")
+        reason = _reduce_reason(name, op) or _unroutable_reason(tensor)
+        if reason is not None:
+            fallback("inference_all_reduce", reason)
             return super().inference_all_reduce(tensor, op, group)
         with torch.no_grad():
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
@@ -110,8 +125,9 @@ class GraftTorchBackend(TorchBackend):
         return tensor
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
-        if not _routable(output_tensor, input_tensor) or output_tensor.dtype != input_tensor.dtype:
-            count("fallback.all_gather_into_tensor")
+        reason = _unroutable_reason(output_tensor, input_tensor)
+        if reason is not None:
+            fallback("all_gather_into_tensor", reason)
             return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
         with torch.no_grad():
             output_tensor.copy_(graft_collective("all_gather", input_tensor, group).view(output_tensor.shape))
@@ -119,8 +135,9 @@ class GraftTorchBackend(TorchBackend):
 
     def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         name = _reduce_name(self._reduce_op(op))
-        if name is None or not _routable(output_tensor, input_tensor) or output_tensor.dtype != input_tensor.dtype:
-            count("fallback.reduce_scatter_tensor")
+        reason = _reduce_reason(name, op) or _unroutable_reason(output_tensor, input_tensor)
+        if reason is not None:
+            fallback("reduce_scatter_tensor", reason)
             return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
         with torch.no_grad():
             output_tensor.copy_(graft_collective("reduce_scatter", input_tensor, group, name).view(output_tensor.shape))
@@ -128,8 +145,10 @@ class GraftTorchBackend(TorchBackend):
 
     def all_gather(self, tensor_list, tensor, group=None, async_op=False):
         same = all(t.shape == tensor.shape and t.dtype == tensor.dtype for t in tensor_list)
-        if not same or not _routable(tensor):
-            count("fallback.all_gather")
+        reason = None if same else "output list differs from the input in shape or dtype"
+        reason = reason or _unroutable_reason(tensor)
+        if reason is not None:
+            fallback("all_gather", reason)
             return super().all_gather(tensor_list, tensor, group, async_op)
         with torch.no_grad():
             gathered = graft_collective("all_gather", tensor, group).view(len(tensor_list), *tensor.shape)

@@ -1,24 +1,17 @@
-"""Counts of what graft served inside DeepSpeed, per entry point (no DeepSpeed import here).
+"""What graft served inside DeepSpeed, per entry point (no DeepSpeed import here).
 
 ``graft.adapters.deepspeed.calls`` is read by tests and by anyone checking that graft is
 really in the loop: e.g. ``calls["collectives.all_reduce"]`` routed all-reduces,
 ``calls["fused.adam_step"]`` tensors updated by graft's Adam, ``calls["fallback.*"]``
-calls graft left to torch.distributed.
+calls graft left to torch.distributed (each reason logged once on
+``graft.integration.deepspeed``).
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from graft.integration import CallCounter
 
-calls: Counter = Counter()
-_lock = threading.Lock()
-
-
-def count(key: str, n: int = 1) -> None:
-    with _lock:
-        calls[key] += n
-
-
-def reset() -> None:
-    with _lock:
-        calls.clear()
+counter = CallCounter("deepspeed")
+calls = counter.calls
+count = counter.count
+fallback = counter.fallback
+reset = counter.reset

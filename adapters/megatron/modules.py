@@ -12,8 +12,9 @@ changes:
 * ``GraftSequentialMLP``: MoE experts as one ``moe.fused_experts`` call.
 
 When a call needs a feature the graft path does not cover (listed per class), the module
-runs Megatron's own code for it and counts a ``fallback.*`` in
-:data:`graft.adapters.megatron.stats.calls`.
+runs Megatron's own code for it, counts a ``fallback.*`` in
+:data:`graft.adapters.megatron.stats.calls` and logs the reason once (INFO,
+``graft.integration.megatron``).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
-from graft.adapters.megatron.stats import count
+from graft.adapters.megatron.stats import fallback
 
 # ---------------------------------------------------------------------------- linear layers
 
@@ -53,8 +54,9 @@ class _GraftLocalGemm:
     """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if args or _megatron_gemm_reason(kwargs):
-            count(f"fallback.{type(self).__name__}")
+        reason = "positional arguments graft does not read" if args else _megatron_gemm_reason(kwargs)
+        if reason is not None:
+            fallback(type(self).__name__, reason)
             return super()._forward_impl(input, weight, *args, **kwargs)
         return graft_linear(input, weight, kwargs.get("bias"))
 
@@ -146,7 +148,7 @@ class GraftDotProductAttention(DotProductAttention):
         if reason is not None:
             if packed_seq_params is not None:
                 raise NotImplementedError(f"graft's core attention cannot serve packed sequences with {reason}")
-            count("fallback.GraftDotProductAttention")
+            fallback("GraftDotProductAttention", reason)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
         causal = mask_type == AttnMaskType.causal
         if packed_seq_params is not None:
@@ -201,7 +203,7 @@ class GraftSequentialMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         reason = self._megatron_reason()
         if reason is not None:
-            count("fallback.GraftSequentialMLP")
+            fallback("GraftSequentialMLP", reason)
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         from graft.ops import moe
 

@@ -1,22 +1,15 @@
-"""Counts of what graft served inside Megatron-core modules (no Megatron import here).
+"""What graft served inside Megatron-core modules (no Megatron import here).
 
 Keys are ``"<op>:<backend>"`` for graft op calls (``"gemm.linear:triton"``) and
-``"fallback.<module>"`` for calls a graft module handed back to Megatron's own code.
+``"fallback.<module>"`` for calls a graft module handed back to Megatron's own code
+(each reason logged once on ``graft.integration.megatron``).
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from graft.integration import CallCounter
 
-calls: Counter = Counter()
-_lock = threading.Lock()
-
-
-def count(key: str, n: int = 1) -> None:
-    with _lock:
-        calls[key] += n
-
-
-def reset() -> None:
-    with _lock:
-        calls.clear()
+counter = CallCounter("megatron")
+calls = counter.calls
+count = counter.count
+fallback = counter.fallback
+reset = counter.reset
