@@ -1,9 +1,12 @@
 """graft inside the real vLLM 0.33 (CPU build of torch; vLLM's own plugin loader and classes).
 
 vLLM's registries (out-of-tree ops, attention backends, "plugins loaded") are
-process-global, so each scenario that loads vLLM runs in a fresh interpreter: this file
-doubles as the scenario script (``python tests/test_vllm_integration.py <scenario>``).
-Importing vLLM takes ~10-20 s here, hence two such processes, each checking many things.
+process-global, so the checks that load vLLM run in a fresh interpreter: this file doubles
+as the scenario script (``python tests/test_vllm_integration.py <scenario>``). Importing
+vLLM takes ~10 s here, so one process (started once per test session) runs, in order: the
+switches and version gate (which need vLLM's registries still free of graft), the status
+command's body, and graft active in vLLM; the tests below each check their part of its result.
+tests/test_vllm_cpu_platform.py runs the other process (vLLM's CPU platform).
 """
 from __future__ import annotations
 
@@ -83,20 +86,30 @@ def test_selected_parts():
 # ----------------------------------------------------------------- scenarios in fresh processes
 
 
-def _run(scenario: str, **env) -> dict:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "VLLM_PLUGINS"))}
-    full_env.update(env)
-    full_env.setdefault("TRITON_INTERPRET", "1")
+def _clean_env(**env) -> dict:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE"))}
+    full.update(env)
+    full.setdefault("TRITON_INTERPRET", "1")
+    return full
+
+
+def _run(scenario: str, script: str = HERE, **env) -> dict:
     proc = subprocess.run(
-        [sys.executable, HERE, scenario], capture_output=True, text=True, env=full_env, timeout=240
+        [sys.executable, script, scenario], capture_output=True, text=True, env=_clean_env(**env), timeout=240
     )
     assert proc.returncode == 0, f"scenario {scenario} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def in_vllm() -> dict:
+    """The results of the shared vLLM process (run once for this module's tests)."""
+    return _run("shared")
+
+
 @needs_vllm
-def test_switches_and_version_gate_in_vllm():
-    result = _run("gates")
+def test_switches_and_version_gate_in_vllm(in_vllm):
+    result = in_vllm["gates"]
     assert result["GRAFT_VLLM=0"] == []
     assert result["GRAFT_DISABLE=all"] == []
     assert result["VLLM_PLUGINS=other"] == []
@@ -106,10 +119,34 @@ def test_switches_and_version_gate_in_vllm():
 
 
 @needs_vllm
-def test_active_in_vllm():
-    result = _run("active")
+def test_active_in_vllm(in_vllm):
+    result = in_vllm["active"]
     assert set(result["summary"].values()) == {"registered"}, result["summary"]
     assert result["checks"] >= 20
+
+
+@needs_vllm
+def test_status_command(in_vllm):
+    # Its body ran in the shared process (after vLLM's loader was reset); the real command
+    # line runs here for the "off" case, which stops before importing vLLM.
+    status = in_vllm["status"]
+    assert status["exit code"] == 0, status
+    lines = status["stdout"].splitlines()
+    assert lines[0].startswith("graft vLLM integration: can activate"), lines
+    for line in (
+        "  attention: registered; serves TRITON_ATTN",
+        "  moe: registered",
+        "  vLLM RMSNorm -> graft.adapters.vllm.custom_ops.GraftRMSNorm",
+        "  vLLM UnquantizedFusedMoEMethod -> graft.adapters.vllm.moe.GraftUnquantizedFusedMoEMethod",
+        "  attention backend TRITON_ATTN -> graft.adapters.vllm.attention.GraftAttentionBackend",
+        "  attention backend GRAFT -> graft.adapters.vllm.attention.GraftAttentionBackend",
+    ):
+        assert line in lines, (line, status["stdout"])
+    assert not any(line.startswith("  attention backend FLASH_ATTN") for line in lines)
+
+    cmd = [sys.executable, "-m", "graft.adapters.vllm"]
+    off = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=_clean_env(GRAFT_VLLM="0"))
+    assert off.returncode == 0 and off.stdout.strip() == "graft vLLM integration: off (GRAFT_VLLM=0)", off.stdout
 
 
 # ----------------------------------------------------------------- scenario bodies (run in the subprocess)
@@ -121,8 +158,8 @@ def _graft_oot() -> list:
     return sorted(k for k, v in op_registry_oot.items() if v.__module__.startswith("graft."))
 
 
-def _reload_plugins(monkeypatch_env: dict) -> list:
-    """Run vLLM's loader again after changing the environment (clears the 'loaded' flags)."""
+def _reset_loader(monkeypatch_env: dict) -> None:
+    """Change the environment and clear the 'loaded' flags, so vLLM's loader runs graft's register() again."""
     import vllm.plugins
 
     from graft.adapters.vllm import plugin
@@ -134,8 +171,41 @@ def _reload_plugins(monkeypatch_env: dict) -> list:
             os.environ[k] = v
     vllm.plugins.plugins_loaded = False
     plugin._summary = None
+
+
+def _reload_plugins(monkeypatch_env: dict) -> list:
+    """Run vLLM's loader again after changing the environment."""
+    import vllm.plugins
+
+    _reset_loader(monkeypatch_env)
     vllm.plugins.load_general_plugins()
     return _graft_oot()
+
+
+def scenario_shared() -> dict:
+    """The checks that share one process, in the order their isolation needs."""
+    out = {"gates": scenario_gates()}  # first: needs vLLM's registries without graft's classes
+    _reset_loader({"VLLM_PLUGINS": None, "GRAFT_VLLM_ATTENTION_OVERRIDE": "TRITON_ATTN"})
+    out["status"] = _status_command()
+    _reset_loader({"GRAFT_VLLM_ATTENTION_OVERRIDE": None})  # as vLLM starts: VLLM_PLUGINS unset, no override
+    out["active"] = scenario_active()
+    return out
+
+
+def _status_command() -> dict:
+    """``python -m graft.adapters.vllm`` in this process: its exit code and output."""
+    import contextlib
+    import io
+    import runpy
+
+    buffer = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buffer):
+        try:
+            runpy.run_module("graft.adapters.vllm", run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code
+    return {"exit code": code, "stdout": buffer.getvalue()}
 
 
 def scenario_gates() -> dict:
