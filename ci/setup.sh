@@ -14,8 +14,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q -c ci/constraints.txt)
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
-# The CPU build first: nothing below may replace it with a CUDA one (see ci/constraints.txt).
-"${PIP[@]}" torch==2.13.0
+# The CPU build first: nothing below may replace it (ci/constraints.txt pins the version).
+# Where pip's default index serves the CUDA build for torch==2.13.0, point TORCH_INDEX_URL
+# at a CPU wheel index; the check below stops the set-up if a CUDA build got in anyway.
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "${PIP[@]}" --index-url "$TORCH_INDEX_URL" torch==2.13.0
+else
+    "${PIP[@]}" torch==2.13.0
+fi
+"$VENV/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else
+    f"ci/setup.sh: got a CUDA build of torch ({torch.__version__}); set TORCH_INDEX_URL to a CPU wheel index")'
 "${PIP[@]}" -e '.[test]'
 # DeepSpeed: no op pre-building; on CPU it picks its CPU accelerator and gloo.
 DS_BUILD_OPS=0 "${PIP[@]}" deepspeed==0.19.8
