@@ -391,9 +391,38 @@ def scenario_active() -> dict:
             want = torch.nn.functional.linear(x, layer.weight, getattr(layer, "bias", None))
             checks.close(f"linear {type(layer).__name__}", y, want, 1e-4, 1e-5)
             assert calls[before:] == ["gemm.linear"], calls[before:]
+        _batch_invariant_fallback(layer, checks, calls)
 
     checks.count += _attention_checks(backend_cls, calls)
     return {"summary": summary, "checks": checks.count}
+
+
+def _batch_invariant_fallback(layer, checks, calls) -> None:
+    """VLLM_BATCH_INVARIANT=1 keeps vLLM's own GEMM: counted per call, its reason logged once."""
+    import logging
+
+    import torch
+
+    from graft.adapters.vllm import stats
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append((record.levelno, record.getMessage()))
+    logger = logging.getLogger("graft.integration.vllm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    before, counted = len(calls), stats.calls["fallback.linear"]
+    x = torch.randn(3, layer.weight.shape[1])
+    for _ in range(2):
+        y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        checks.close("linear, VLLM_BATCH_INVARIANT=1", y, torch.nn.functional.linear(x, layer.weight, layer.bias), 1e-4, 1e-5)
+    del os.environ["VLLM_BATCH_INVARIANT"]
+    logger.removeHandler(handler)
+    assert calls[before:] == [], "graft's gemm.linear must not run in batch-invariant mode"
+    assert stats.calls["fallback.linear"] - counted == 2, dict(stats.calls)
+    assert records == [(logging.INFO, "graft did not serve linear (VLLM_BATCH_INVARIANT=1); vllm's own code ran it")], records
 
 
 def _attention_checks(backend_cls, calls) -> int:

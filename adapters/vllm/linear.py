@@ -5,7 +5,9 @@ construction (``UnquantizedLinearMethod`` when the model is not quantized). The
 graft subclasses below are registered out-of-tree for the common layer classes; after
 vLLM's own ``__init__`` they swap the unquantized method for
 :class:`GraftUnquantizedLinearMethod`, which only changes ``apply``. Quantized
-layers keep their quant method untouched.
+layers keep their quant method untouched. With ``VLLM_BATCH_INVARIANT=1`` vLLM's own GEMM
+runs (counted as ``fallback.linear`` in :data:`graft.adapters.vllm.stats.calls`, the
+reason logged once).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from graft.adapters.vllm._registration import register_oot
+from graft.adapters.vllm.stats import fallback
 from graft.ops import gemm
 
 
@@ -38,6 +41,7 @@ class GraftUnquantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if envs.VLLM_BATCH_INVARIANT:
+            fallback("linear", "VLLM_BATCH_INVARIANT=1")
             return super().apply(layer, x, bias)
         return gemm.linear(x, layer.weight, bias)
 
