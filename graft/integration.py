@@ -3,6 +3,8 @@
 An adapter returns :class:`FrameworkIntegration` objects from the
 ``graft_framework_integrations`` hook. Each is version-gated with ``packaging``:
 activating it on a framework version outside ``supported`` raises a clear error.
+:class:`CallCounter` records, per framework, what graft served and why it left a call
+to the framework's own code.
 """
 from __future__ import annotations
 
