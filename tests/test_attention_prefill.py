@@ -200,17 +200,3 @@ def test_default_scale_is_inverse_sqrt_head_dim():
         prefill_reference(q, k, v, cu_q, cu_k, mq, mk),
         prefill_reference(q, k, v, cu_q, cu_k, mq, mk, softmax_scale=1 / math.sqrt(64)),
     )
-
-
-def test_kernels_compile_for_sm90_and_gfx942():
-    """The interpreter accepts code the GPU compiler rejects: lower the kernels for real targets."""
-    import os
-    import subprocess
-    import sys
-
-    specs = ["prefill:cuda:fp16", "prefill:hip:bf16"]
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-m", "graft.kernels.triton._attention_aot", *specs],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("compiled ") == 2

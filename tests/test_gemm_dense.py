@@ -137,17 +137,34 @@ def test_custom_op_opcheck_and_fake_tracing(device):
     torch.testing.assert_close(out, 2 * G.linear_reference(x, w, b, "relu"), **TOL[torch.float32])
 
 
-def test_kernels_compile_for_gpu_targets(tmp_path):
-    """The interpreter accepts things the GPU compilers reject: compile each GEMM kernel for
-    Hopper ahead of time (no GPU needed), in a subprocess because the interpreter is on here."""
-    import os
-    import subprocess
-    import sys
+def test_dot_policy_follows_torch_tf32_setting(monkeypatch):
+    """graft.kernels.triton._dot: one tl.dot policy for gemm, attention and moe kernels."""
+    from types import SimpleNamespace
 
-    code = (
-        "import sys; from graft.kernels.triton._gemm_aot import compile_all; "
-        "f = compile_all(['cuda:90'], quick=True); print(*f, sep='\\n'); sys.exit(1 if f else 0)"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    from graft.kernels.triton import _dot
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    try:
+        monkeypatch.setattr(_dot, "triton_interpret", lambda: True)
+        matmul.fp32_precision = "tf32"
+        assert _dot.dot_flags(torch.float32) == {"UPCAST": False, "PRECISION": "ieee"}  # interpreter: IEEE
+        assert _dot.dot_flags(torch.bfloat16) == {"UPCAST": True, "PRECISION": "ieee"}  # its bf16 dot is broken
+        assert _dot.dot_flags(torch.float16)["UPCAST"] is False
+
+        monkeypatch.setattr(_dot, "triton_interpret", lambda: False)  # compiled, on a GPU
+        monkeypatch.setattr(_dot, "is_rocm", lambda: False)
+        assert _dot.dot_flags(torch.float32) == {"UPCAST": False, "PRECISION": "tf32"}
+        assert _dot.dot_flags(torch.bfloat16) == {"UPCAST": False, "PRECISION": "ieee"}  # native bf16 dot
+        matmul.fp32_precision = "ieee"
+        assert _dot.dot_flags(torch.float32)["PRECISION"] == "ieee"
+        torch.set_float32_matmul_precision("high")  # the other spelling of "allow TF32"
+        assert _dot.dot_flags(torch.float32)["PRECISION"] == "tf32"
+
+        monkeypatch.setattr(_dot, "is_rocm", lambda: True)  # Triton has TF32 on gfx942 only
+        for arch, precision in (("gfx942", "tf32"), ("gfx90a", "ieee"), ("gfx950", "ieee")):
+            monkeypatch.setattr(_dot, "device_info", lambda device=None, arch=arch: SimpleNamespace(arch=arch))
+            assert _dot.fp32_precision("cuda") == precision, arch
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = saved

@@ -1,12 +1,10 @@
-"""Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, dot precision."""
+"""Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, tile tables.
+
+The dot precision policy is graft.kernels.triton._dot's, as for every kernel family."""
 from __future__ import annotations
 
-
-import torch
 import triton
 import triton.language as tl
-
-from graft.platform import triton_interpret
 
 
 @triton.jit
@@ -39,24 +37,6 @@ def activate(y, ACTIVATION: tl.constexpr):
     elif ACTIVATION == "silu":
         y = y * tl.sigmoid(y)
     return y
-
-
-def upcast_dot_operands(dtype: torch.dtype) -> bool:
-    """Whether the kernels must feed tl.dot fp32 instead of ``dtype``.
-
-    Triton's CPU interpreter returns garbage from tl.dot on bf16 operands (fp16, fp32 and
-    int8 are exact), so interpreted bf16 tiles are upcast to fp32 first. Compiled GPU
-    kernels keep the native bf16 dot (tensor cores).
-    """
-    return dtype == torch.bfloat16 and triton_interpret()
-
-
-def fp32_dot_precision() -> str:
-    """tl.dot input precision for fp32 operands, following torch's own fp32 matmul setting:
-    TF32 tensor cores only when torch allows them for matmuls (off by default), else IEEE fp32."""
-    if not triton_interpret() and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
 
 
 def pick_tiles(tables: dict, m: int, device) -> dict:

@@ -23,13 +23,13 @@ from graft.custom_ops import define_op
 from graft.kernels.triton._attention_common import (
     LOG2E,
     NEG_BIG,
-    dot_f32,
-    dot_flags,
     head_dim_block,
     head_dim_reason,
     resolve_scale,
 )
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._dot import dot_f32, dot_flags
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "attention.decode_paged"
@@ -215,7 +215,7 @@ def _decode(
             SINGLE_PASS=num_splits == 1,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_D=block_d,
-            **dot_flags(query.dtype),
+            **dot_flags(query.dtype, query.device),
             **cfg,
         )
         if num_splits > 1:
@@ -262,3 +262,23 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton paged-KV decode attention (GQA, split-K flash-decoding)",
     ))
+
+
+def _aot_variants():
+    """Per target: single pass and split-K (with the combine kernel), fp16/bf16/fp32, GQA groups."""
+    types = dict(BlockTables="*i32", SeqLens="*i32", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32",
+                 qk_scale="fp32")
+    for target, cfg in per_target(TILES):
+        blocks, options = split_tiles(cfg)
+        for dtype, single, group, block_d in (("fp16", True, 4, 128), ("bf16", False, 8, 128),
+                                              ("fp32", False, 1, 64), ("bf16", True, 16, 256)):
+            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, group), BLOCK_D=block_d, UPCAST=False,
+                         PRECISION="ieee", **blocks)
+            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,), **types)
+        for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
+            flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+            yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},
+                          targets=(target,), PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32")
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -20,13 +20,13 @@ from graft.custom_ops import define_op
 from graft.kernels.triton._attention_common import (
     LOG2E,
     NEG_BIG,
-    dot_f32,
-    dot_flags,
     head_dim_block,
     head_dim_reason,
     resolve_scale,
 )
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._dot import dot_f32, dot_flags
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "attention.prefill"
@@ -159,13 +159,17 @@ def _prefill_kernel(
 
 def _tiles(device: torch.device, block_d: int, dtype: torch.dtype) -> dict:
     cfg = tile_config(TILES, device)
-    if device.type == "cuda":
-        # Keep the K/V tiles within shared memory for wide heads and 4-byte types.
-        if block_d > 128:
-            cfg["BLOCK_M"], cfg["BLOCK_N"] = min(cfg["BLOCK_M"], 64), min(cfg["BLOCK_N"], 32)
-        if dtype == torch.float32:
-            cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
-            cfg["num_stages"] = min(cfg["num_stages"], 2)
+    return _fit_gpu_tiles(cfg, block_d, dtype) if device.type == "cuda" else cfg
+
+
+def _fit_gpu_tiles(cfg: dict, block_d: int, dtype: torch.dtype) -> dict:
+    """Keep the K/V tiles within shared memory for wide heads and 4-byte types."""
+    cfg = dict(cfg)
+    if block_d > 128:
+        cfg["BLOCK_M"], cfg["BLOCK_N"] = min(cfg["BLOCK_M"], 64), min(cfg["BLOCK_N"], 32)
+    if dtype == torch.float32:
+        cfg["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+        cfg["num_stages"] = min(cfg["num_stages"], 2)
     return cfg
 
 
@@ -197,7 +201,7 @@ def _prefill(
             GROUP=num_heads // k.shape[1],
             CAUSAL=causal,
             BLOCK_D=block_d,
-            **dot_flags(q.dtype),
+            **dot_flags(q.dtype, q.device),
             **cfg,
         )
     return out
@@ -239,3 +243,18 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton flash-attention forward (varlen, causal bottom-right, GQA)",
     ))
+
+
+def _aot_variants():
+    """Per target: fp16/bf16/fp32, causal or not, head dims 128/64/256, GQA group 4."""
+    ints = dict(CuSeqlensQ="*i32", CuSeqlensK="*i32", qk_scale="fp32")
+    for target, base in per_target(TILES):
+        for name, dtype, causal, block_d in (("fp16", torch.float16, True, 128), ("bf16", torch.bfloat16, False, 128),
+                                             ("fp32", torch.float32, True, 64), ("bf16", torch.bfloat16, True, 256)):
+            blocks, options = split_tiles(_fit_gpu_tiles(base, block_d, dtype))
+            flags = dict(GROUP=4, CAUSAL=causal, BLOCK_D=block_d, UPCAST=False,
+                         PRECISION="ieee", **blocks)
+            yield variant(_prefill_kernel, flags, pointer=f"*{name}", options=options, targets=(target,), **ints)
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 TILES = {
@@ -63,3 +64,9 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton SiLU-and-mul (fp32 math, one read of each half)",
     ))
+
+
+AOT_VARIANTS = [
+    variant(_silu_and_mul_kernel, dict(BLOCK=block), pointer=f"*{dtype}", options={"num_warps": TILES["default"]["num_warps"]})
+    for dtype, block in (("bf16", 1024), ("fp16", 256), ("fp32", 1024))
+]

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 # max_block: widest tile one program holds; longer rows are streamed in max_block chunks.
@@ -126,3 +127,16 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton RMSNorm (one program per row, fp32 reduction, optional fused residual add)",
     ))
+
+
+def _aot_variants():
+    """Per target: one-tile and streamed rows, with and without the residual, each dtype."""
+    for target, cfg in per_target(TILES):
+        for dtype, residual, one_tile in (("bf16", True, True), ("fp16", False, False), ("fp32", True, False),
+                                          ("bf16", False, True)):
+            flags = dict(HAS_RESIDUAL=residual, BLOCK=cfg["max_block"] if not one_tile else 4096, ONE_TILE=one_tile)
+            yield variant(_rms_norm_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
+                          targets=(target,), eps="fp32")
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
+from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 
@@ -108,3 +109,12 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton rotary embedding, q and k in one launch (neox/GPT-J, partial rotary)",
     ))
+
+
+AOT_VARIANTS = [
+    # positions int64 (torch's default index dtype), an fp32 cos/sin cache for 16-bit q/k as well.
+    variant(_rotary_kernel, dict(IS_NEOX=neox, BLOCK_HALF=half, BLOCK_PASS=rest), pointer=f"*{dtype}",
+            options={"num_warps": 1 if half <= 64 else 2}, pos_ptr="*i64", cache_ptr=cache)
+    for dtype, cache, neox, half, rest in (("bf16", "*fp32", True, 64, 0), ("fp16", "*fp16", False, 32, 64),
+                                           ("fp32", "*fp32", True, 128, 0))
+]

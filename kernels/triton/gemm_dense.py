@@ -15,14 +15,14 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import (
     activate,
-    fp32_dot_precision,
     pick_tiles,
     tile_coords,
-    upcast_dot_operands,
 )
+from graft.kernels.triton._dot import dot_acc, dot_flags
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
@@ -51,7 +51,7 @@ def _linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    UPCAST: tl.constexpr,  # interpreter + bf16: dot in fp32 (see upcast_dot_operands)
+    UPCAST: tl.constexpr,  # dot flags: see graft.kernels.triton._dot
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -69,10 +69,7 @@ def _linear_kernel(
         k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = dot_acc(a, b, acc, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -97,8 +94,7 @@ def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
             HAS_BIAS=bias is not None,
             ACTIVATION=activation,
-            UPCAST=upcast_dot_operands(x.dtype),
-            PRECISION=fp32_dot_precision() if x.dtype == torch.float32 else "ieee",
+            **dot_flags(x.dtype, x.device),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
@@ -124,3 +120,20 @@ def register(registry) -> None:
         "gemm.linear", linear, custom_op=linear_op, dtypes=_FLOAT_DTYPES,
         description="Triton tiled GEMM, fp32 accumulation, bias + activation fused in the epilogue",
     ))
+
+
+def _aot_variants():
+    """Both tile tables per target; bf16 with every activation, fp16/fp32 (TF32 and IEEE) with gelu."""
+    from graft.ops.gemm import ACTIVATIONS
+
+    for table in ("large_m", "small_m"):
+        for target, cfg in per_target(TILES[table]):
+            blocks, options = split_tiles(cfg)
+            cases = [("bf16", act, "ieee") for act in ("gelu", *ACTIVATIONS)]
+            cases += [("fp16", "gelu", "ieee"), ("fp32", "gelu", "ieee"), ("fp32", "gelu", "tf32")]
+            for dtype, act, precision in dict.fromkeys(cases):
+                flags = dict(HAS_BIAS=True, ACTIVATION=act, UPCAST=False, PRECISION=precision, **blocks)
+                yield variant(_linear_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,))
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -17,13 +17,10 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton._gemm_common import (
-    fp32_dot_precision,
-    pick_tiles,
-    tile_coords,
-    upcast_dot_operands,
-)
+from graft.kernels.triton._dot import dot_f32, dot_flags
+from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
 
 TILES = {
     "large_m": {
@@ -52,7 +49,7 @@ def _w4a16_kernel(
     AWQ: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,  # interpreter + bf16, or fp32 x: dot in fp32 (see upcast_dot_operands)
+    UPCAST: tl.constexpr,  # dot flags: see graft.kernels.triton._dot
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -90,10 +87,10 @@ def _w4a16_kernel(
                 zero += 1  # GPTQ (AutoGPTQ v1) stores zero - 1
         else:
             zero = tl.full((BLOCK_N,), 8, dtype=tl.int32)
-        if UPCAST:
+        if UPCAST:  # widen x first so the dequantized tile is built in fp32 too, never in interpreted bf16
             a = a.to(tl.float32)
-        w = (q - zero[None, :]).to(a.dtype)
-        acc += tl.dot(a, w, input_precision=PRECISION) * scale[None, :]
+        w = (q - zero[None, :]).to(a.dtype)  # small integers: exact in every float dtype
+        acc += dot_f32(a, w, UPCAST, PRECISION) * scale[None, :]
         x_ptrs += BLOCK_K * stride_xk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -137,8 +134,7 @@ def _w4a16_2d(
             AWQ=awq,
             HAS_ZEROS=qzeros is not None,
             HAS_BIAS=bias is not None,
-            UPCAST=upcast_dot_operands(x.dtype) or x.dtype == torch.float32,
-            PRECISION=fp32_dot_precision() if x.dtype == torch.float32 else "ieee",
+            **dot_flags(x.dtype, x.device),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
@@ -179,3 +175,18 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton GEMM with GPTQ/AWQ int4 dequantized in the kernel, group-wise scales and zeros",
     ))
+
+
+def _aot_variants():
+    """Both tile tables per target; GPTQ and AWQ, with and without zeros, for each activation dtype."""
+    packed = dict(qw_ptr="*i32", qz_ptr="*i32")
+    for table in ("large_m", "small_m"):
+        for target, cfg in per_target(TILES[table]):
+            blocks, options = split_tiles(cfg)
+            for dtype, awq, zeros in (("fp16", True, True), ("fp16", False, True), ("bf16", False, False),
+                                      ("fp32", True, True)):
+                flags = dict(AWQ=awq, HAS_ZEROS=zeros, HAS_BIAS=True, UPCAST=False, PRECISION="ieee", **blocks)
+                yield variant(_w4a16_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,), **packed)
+
+
+AOT_VARIANTS = list(_aot_variants())

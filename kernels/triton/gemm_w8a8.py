@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
 
@@ -123,3 +124,17 @@ def register(registry) -> None:
         "gemm.w8a8", w8a8, custom_op=w8a8_op, dtypes={torch.int8},
         description="Triton int8 GEMM, int32 accumulation, per-token/per-channel scales and bias in the epilogue",
     ))
+
+
+def _aot_variants():
+    """Both tile tables per target, fp16 and bf16 output."""
+    types = dict(x_ptr="*i8", w_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32")
+    for table in ("large_m", "small_m"):
+        for target, cfg in per_target(TILES[table]):
+            blocks, options = split_tiles(cfg)
+            for out in ("bf16", "fp16"):
+                yield variant(_w8a8_kernel, dict(HAS_BIAS=True, **blocks), pointer=f"*{out}", options=options,
+                              targets=(target,), **types)
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.ops.moe import aligned_sizes
 
@@ -155,3 +156,20 @@ def register(registry) -> None:
         OP, _call, custom_op=align_block_size_triton, dtypes={torch.int32},
         description="chunked one-hot count, single-program scan, stable scatter",
     ))
+
+
+def _aot_variants():
+    """Per target: the three kernels for 8, 64 and 256 experts (tiles sized as at launch)."""
+    for target, cfg in per_target(TILES):
+        for experts in (64, 8, 256):
+            block_e = triton.next_power_of_2(experts)
+            block_n = max(16, triton.next_power_of_2(cfg["elems"] // block_e))
+            options = {"num_warps": cfg["num_warps"]}
+            for kernel in (_count_kernel, _scatter_kernel):
+                yield variant(kernel, dict(BLOCK_N=block_n, BLOCK_E=block_e), pointer="*i32", options=options,
+                              targets=(target,))
+            yield variant(_scan_kernel, dict(BLOCK_E=block_e, BLOCK_B=cfg["blocks"]), pointer="*i32",
+                          options=options, targets=(target,))
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -25,9 +25,10 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
+from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton.moe_align import align_block_size_launch
-from graft.platform import triton_interpret
 
 OP = "moe.fused_experts"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -59,20 +60,6 @@ COMBINE_BLOCK_H = 1024
 
 
 @triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    if UPCAST:
-        # Interpreter only: its tl.dot on bf16 operands returns garbage, while fp32 is
-        # exact, so bf16 tiles are widened first. Compiled GPU code keeps the native bf16 dot.
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    elif IEEE:
-        # fp32 inputs: full-precision dot instead of the TF32 default, to match the reference.
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M: tl.constexpr):
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -85,7 +72,7 @@ def _gate_up_kernel(
     num_slots, top_k, hidden_size, inter, num_n_tiles,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_as, stride_ai,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,  # see graft.kernels.triton._dot
 ):
     # N tiles vary fastest: neighbouring programs share the same token rows.
     pid = tl.program_id(0)
@@ -110,8 +97,8 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
         w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
-        acc_gate = _mma(x, w_gate, acc_gate, UPCAST, IEEE)
-        acc_up = _mma(x, w_up, acc_up, UPCAST, IEEE)
+        acc_gate = dot_acc(x, w_gate, acc_gate, UPCAST, PRECISION)
+        acc_up = dot_acc(x, w_up, acc_up, UPCAST, PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU-and-mul epilogue
     out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -123,7 +110,7 @@ def _down_kernel(
     num_slots, top_k, hidden_size, inter, num_n_tiles,
     stride_as, stride_ai, stride_we, stride_wh, stride_wi, stride_os, stride_oh, stride_rt, stride_rk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,  # see graft.kernels.triton._dot
 ):
     pid = tl.program_id(0)
     pid_m = pid // num_n_tiles
@@ -142,7 +129,7 @@ def _down_kernel(
         k_ok = ks < inter
         a = tl.load(a_rows + ks[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _mma(a, w, acc, UPCAST, IEEE)
+        acc = dot_acc(a, w, acc, UPCAST, PRECISION)
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
     out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
@@ -163,7 +150,12 @@ def _combine_kernel(slot_out_ptr, out_ptr, hidden_size, top_k, stride_ot, stride
 def launch_config(num_slots: int, num_experts: int, device, dtype: torch.dtype) -> dict:
     table = tile_config(TILES, device)
     cfg = dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
-    if dtype == torch.float32 and torch.device(device).type == "cuda":
+    return _fit_gpu_tiles(cfg, dtype) if torch.device(device).type == "cuda" else cfg
+
+
+def _fit_gpu_tiles(cfg: dict, dtype: torch.dtype) -> dict:
+    cfg = dict(cfg)
+    if dtype == torch.float32:
         # 4-byte tiles: halve K and cap the pipeline depth so the staged tiles still fit
         # in shared memory (228 KB on Hopper, 64 KB LDS on CDNA3).
         cfg["BLOCK_K"] = max(32, cfg["BLOCK_K"] // 2)
@@ -196,8 +188,7 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=device)
     slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
     flags = dict(
-        UPCAST=triton_interpret() and hidden.dtype == torch.bfloat16,
-        IEEE=hidden.dtype == torch.float32,
+        **dot_flags(hidden.dtype, device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     gate_n = block_n // 2
@@ -243,3 +234,22 @@ def register(registry) -> None:
         OP, _call, custom_op=fused_experts_triton, dtypes=DTYPES,
         description="aligned grouped GEMMs, SiLU-and-mul fused into GEMM 1, weighted GEMM 2, ordered combine",
     ))
+
+
+def _aot_variants():
+    """Per target: both GEMMs for the "large" and "small" tiles and each dtype, and the combine."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    routing = dict(sorted_ptr="*i32", expert_ids_ptr="*i32", post_pad_ptr="*i32")
+    for target, table in per_target(TILES):
+        for size, name in (("large", "bf16"), ("small", "fp16"), ("large", "fp32"), ("small", "bf16")):
+            blocks, options = split_tiles(_fit_gpu_tiles(table[size], dtypes[name]))
+            flags = dict(UPCAST=False, PRECISION="ieee", BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"])
+            yield variant(_gate_up_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer=f"*{name}",
+                          options=options, targets=(target,), **routing)
+            yield variant(_down_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer=f"*{name}", options=options,
+                          targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+    for name, block_h in (("bf16", COMBINE_BLOCK_H), ("fp32", 64)):
+        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32")
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 OP = "moe.topk_routing"
@@ -125,3 +126,18 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="one-tile fp32 softmax/sigmoid + iterative top-k",
     ))
+
+
+def _aot_variants():
+    """Per target: softmax and sigmoid scoring, few and many experts, each logits dtype."""
+    for target, cfg in per_target(TILES):
+        for dtype, experts, top_k, sigmoid, renorm in (("bf16", 64, 8, False, True), ("fp32", 8, 2, True, False),
+                                                       ("fp16", 256, 6, False, False), ("bf16", 1024, 1, True, True)):
+            block_e = triton.next_power_of_2(experts)
+            flags = dict(TOP_K=top_k, BLOCK_T=max(1, min(128, cfg["elems"] // block_e)), BLOCK_E=block_e,
+                         BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid, RENORMALIZE=renorm)
+            yield variant(_topk_routing_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
+                          targets=(target,), weights_ptr="*fp32", ids_ptr="*i32")
+
+
+AOT_VARIANTS = list(_aot_variants())

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.platform import triton_interpret
 
@@ -138,3 +139,19 @@ def register(registry) -> None:
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton Adam/AdamW step (one fused elementwise pass per tensor, fp32 math)",
     ))
+
+
+def _aot_variants():
+    """Per target: AdamW / Adam+L2 / no decay, bf16 / fp16 / fp32 params with fp32 moments."""
+    scalars = dict.fromkeys(("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "weight_decay",
+                             "bias_correction1", "sqrt_bias_correction2"), "fp32")
+    for target, cfg in per_target(TILES):
+        for dtype, adam_w, decay, n in (("bf16", True, True, "i32"), ("fp32", False, True, "i64"),
+                                        ("fp16", True, False, "i32")):
+            flags = dict(ADAM_W=adam_w, HAS_DECAY=decay, BLOCK=cfg["block"], INTERPRET=False)
+            yield variant(_adam_step_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
+                          targets=(target,), m_ptr="*fp32", v_ptr="*fp32", m_out_ptr="*fp32", v_out_ptr="*fp32",
+                          n=n, **scalars)
+
+
+AOT_VARIANTS = list(_aot_variants())
