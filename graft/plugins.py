@@ -170,14 +170,16 @@ def get_host() -> PluginHost:
     host = _host
     if host is not None:  # lock-free fast path: every op call comes through here
         return host
+    if torch.compiler.is_compiling():
+        # The very first graft call happens while torch.compile traces: load eagerly, outside
+        # the graph (one graph break). Load graft first (graft.get_registry()) to compile
+        # with fullgraph=True from a cold start. (Wrapped here, not at import: decorating at
+        # import would import torch._dynamo, and with it triton, into every graft process.)
+        return torch.compiler.disable(_load_host, reason="graft loads its adapter plugins eagerly")()
     return _load_host()
 
 
-@torch.compiler.disable(reason="graft loads its adapter plugins eagerly, never inside a traced graph")
 def _load_host() -> PluginHost:
-    # If the very first graft call happens while torch.compile traces, this runs eagerly
-    # (one graph break, before any graft op); load graft first (graft.get_registry()) to
-    # compile with fullgraph=True from a cold start.
     global _host
     with _host_lock:
         if _host is None:

@@ -113,21 +113,32 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     return result
 
 
-def _emit(level: int, message: str) -> None:
-    log.log(level, message)
-
-
-# Under torch.compile, selection runs while Dynamo traces; a logging call there would
-# break the graph, so Dynamo is told it may move this one to after the graph runs.
-torch._dynamo.config.reorderable_logging_functions.add(_emit)
-
-
-def _log_once(level: int, key, message: str) -> None:
-    # No lock: torch.compile cannot trace one, and a rare race only logs a line twice.
+def _log_once_eager(level: int, key: str, message: str) -> None:
+    # No lock: a rare race between threads only logs a line twice.
     if key in _logged:
         return
     _logged.add(key)
-    _emit(level, message)
+    log.log(level, message)
+
+
+def _define_log_op() -> None:
+    # Under torch.compile selection runs while Dynamo traces, where Python logging would
+    # break the graph (or, inlined, be dropped silently). A side-effecting custom op is kept
+    # in the graph and logs when the compiled graph runs, still once per key.
+    from graft.custom_ops import define_op
+
+    op = define_op("selection_log", _log_once_eager, fake=lambda level, key, message: None)
+    torch.fx.node.has_side_effect(op._opoverload)
+
+
+_define_log_op()
+
+
+def _log_once(level: int, key: tuple, message: str) -> None:
+    if torch.compiler.is_compiling():
+        torch.ops.graft.selection_log(level, repr(key), message)
+    else:
+        _log_once_eager(level, repr(key), message)
 
 
 def decide(

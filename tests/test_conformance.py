@@ -289,3 +289,34 @@ def test_real_op_end_to_end(fresh_graft):
     report = Runner(options=Options(ops=("fused.silu_and_mul",), timing=False, dtypes=(torch.float32,))).run()
     assert report.cases and all(c.status == "ran" for c in report.cases)
     assert report.exit_code == 0, report.failures
+
+
+def test_main_job_from_a_cold_process_runs_the_triton_kernels(tmp_path):
+    """The README's main job: a fresh `graft conformance` on the CPU must run the Triton
+    kernels in the interpreter, not skip them (TRITON_INTERPRET has to be set before anything
+    imports triton, so importing graft must not pull triton in)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "TRITON_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "graft", "conformance", "--op", "fused.silu_and_mul", "--no-timing",
+         "--no-upstream", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    triton = [i for c in report["cases"] for i in c["impls"] if i["backend"] == "triton"]
+    assert triton and all(i["status"] == "pass" for i in triton), triton
+
+
+def test_importing_graft_ops_does_not_import_triton_or_dynamo():
+    import subprocess
+    import sys
+
+    code = ("import sys, graft, graft.ops.attention, graft.ops.gemm, graft.ops.moe, graft.ops.fused, graft.cli; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
