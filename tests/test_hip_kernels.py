@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,34 @@ def test_failed_build_is_reported_and_remembered(monkeypatch):
     with pytest.raises(GraftUnsupportedError, match="bad flag"):
         _build.load_extension()
     assert len(calls) == 1, "a failed build must not be retried on every call"
+
+
+def test_build_mode_off_uses_only_prebuilt_kernels(monkeypatch, tmp_path):
+    from graft.errors import GraftConfigError
+
+    monkeypatch.setattr(_build._State, "module", None)
+    monkeypatch.setattr(_build._State, "error", None)
+    monkeypatch.setattr(_build, "environment_reason", lambda: None)
+    monkeypatch.setenv("GRAFT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert _build.unavailable_reason() is None  # default: lazy, builds on first use
+    monkeypatch.setenv("GRAFT_HIP_BUILD", "off")
+    assert "GRAFT_HIP_BUILD=off and no prebuilt kernels" in _build.unavailable_reason()
+    name, _, build_dir = _build._paths()
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"")  # what `python -m graft.kernels.hip build` leaves
+    assert _build.prebuilt() and _build.unavailable_reason() is None
+    monkeypatch.setenv("GRAFT_HIP_BUILD", "sometimes")
+    with pytest.raises(GraftConfigError, match="GRAFT_HIP_BUILD='sometimes' is not valid; use one of: lazy, off"):
+        _build.unavailable_reason()
+
+
+def test_ahead_of_time_build_command_reports_why_not_here():
+    proc = subprocess.run([sys.executable, "-m", "graft.kernels.hip", "build"], capture_output=True, text=True,
+                          timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine builds for real (ci/gpu_build_check.sh)")
+    assert proc.returncode == 1 and "not built: graft HIP/CUDA kernels unavailable:" in proc.stderr
 
 
 def test_build_is_cached_per_sources_and_in_graft_cache_dir(monkeypatch, tmp_path):

@@ -27,12 +27,25 @@ from pathlib import Path
 import torch
 
 from graft import config
-from graft.errors import GraftUnsupportedError
+from graft.errors import GraftConfigError, GraftUnsupportedError
 
 log = logging.getLogger("graft.kernels.hip")
 
 CACHE_DIR_VAR = config.declare_env_var("GRAFT_CACHE_DIR", "cache directory for built kernels (default ~/.cache/graft)")
 VERBOSE_VAR = config.declare_env_var("GRAFT_HIP_VERBOSE", "1: show compiler output when building the HIP/CUDA kernels")
+BUILD_VAR = config.declare_env_var(
+    "GRAFT_HIP_BUILD",
+    "lazy (default): build the HIP/CUDA kernels on first use; off: never build them (hip backend unavailable); "
+    "build ahead of time with `python -m graft.kernels.hip build`",
+)
+BUILD_MODES = ("lazy", "off")
+
+
+def build_mode() -> str:
+    mode = os.environ.get(BUILD_VAR, "lazy").strip().lower() or "lazy"
+    if mode not in BUILD_MODES:
+        raise GraftConfigError(f"{BUILD_VAR}={os.environ[BUILD_VAR]!r} is not valid; use one of: {', '.join(BUILD_MODES)}")
+    return mode
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 # Torch-free kernel translation units: each compiles standalone with nvcc (or hipcc after hipify).
@@ -100,7 +113,12 @@ class _State:
 
 def unavailable_reason() -> str | None:
     """None when the kernels can be built and run here, else the reason (for Implementation.available)."""
+    mode = build_mode()  # an invalid GRAFT_HIP_BUILD is an error on every machine
     reason = environment_reason()
+    if reason:
+        return reason
+    if _State.module is None and mode == "off" and not prebuilt():
+        return f"{BUILD_VAR}=off and no prebuilt kernels (build them with `python -m graft.kernels.hip build`)"
     if reason:
         return reason
     if _State.error is not None:
@@ -148,18 +166,29 @@ def _stage_sources(src_dir: Path) -> None:
             shutil.copyfile(path, target)
 
 
+def _paths() -> tuple:
+    """(extension name, source dir, build dir) for this build key."""
+    key = build_key()
+    root = cache_dir() / "hip_ext" / f"{EXTENSION_NAME}-{key}"
+    return f"{EXTENSION_NAME}_{key}", root / "src", root / "build"
+
+
+def prebuilt() -> bool:
+    """Whether this build key's library is already in the cache (built ahead of time)."""
+    name, _, build_dir = _paths()
+    return (build_dir / f"{name}.so").is_file()
+
+
 def _build():
     from torch.utils.cpp_extension import load
 
-    key = build_key()
-    root = cache_dir() / "hip_ext" / f"{EXTENSION_NAME}-{key}"
-    src_dir, build_dir = root / "src", root / "build"
+    name, src_dir, build_dir = _paths()
     _stage_sources(src_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     device_flags = HIPCC_FLAGS if vendor() == "rocm" else NVCC_FLAGS
     log.info("building graft HIP/CUDA kernels in %s (first use; cached afterwards)", build_dir)
     return load(
-        name=f"{EXTENSION_NAME}_{key}",
+        name=name,
         sources=[str(src_dir / name) for name in (BINDING_SOURCE, *KERNEL_SOURCES)],
         extra_include_paths=[str(src_dir)],
         extra_cflags=list(CXX_FLAGS),
@@ -174,8 +203,9 @@ def _summarize(exc: BaseException) -> str:
     return " / ".join(line.strip() for line in text[:3] if line.strip())[:500]
 
 
-def load_extension():
-    """The compiled extension module, built on first use.
+def load_extension(ahead_of_time: bool = False):
+    """The compiled extension module, built on first use (or ahead of time, whatever
+    GRAFT_HIP_BUILD says: `python -m graft.kernels.hip build`).
 
     Raises GraftUnsupportedError with the reason when the kernels cannot run here; a
     failed build is remembered so later selections skip the hip backend with it.
@@ -185,7 +215,7 @@ def load_extension():
     with _State.lock:
         if _State.module is not None:
             return _State.module
-        reason = unavailable_reason()
+        reason = environment_reason() if ahead_of_time else unavailable_reason()
         if reason:
             raise GraftUnsupportedError(f"graft HIP/CUDA kernels unavailable: {reason}")
         try:
