@@ -4,10 +4,8 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
-import torch
 
 from graft.plugins import PluginHost
 
