@@ -286,21 +286,28 @@ def register(registry) -> None:
     ))
 
 
+UNIT_STRIDES = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_btb=1)  # contiguous rows: JIT constants
+
+
 def _aot_variants():
     """Per target: single pass and split-K (with the combine kernel), fp16/bf16/fp32, GQA groups."""
     types = dict(BlockTables="*i32", SeqLens="*i32", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32",
                  qk_scale="fp32")
     for target, cfg in per_target(TILES):
         blocks, options = split_tiles(cfg)
+        # Resources grow with BLOCK_D, BLOCK_G and the dtype: the widest of each are here.
         for dtype, single, group, block_d in (("fp16", True, 4, 128), ("bf16", False, 8, 128),
-                                              ("fp32", False, 1, 64), ("bf16", True, 16, 256)):
-            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, group), BLOCK_D=block_d, UPCAST=False,
-                         PRECISION="ieee", **blocks)
-            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,), **types)
+                                              ("fp32", False, 1, 64), ("bf16", True, 16, 256),
+                                              ("fp32", True, 64, 256), ("fp16", False, 32, 256)):
+            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                         BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
+            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
+                          values=UNIT_STRIDES, **types)
         for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
             flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
             yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},
-                          targets=(target,), PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32")
+                          targets=(target,), values=dict(stride_od=1), PartAcc="*fp32", PartMax="*fp32",
+                          PartSum="*fp32")
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -142,7 +142,7 @@ def _aot_variants():
             flags = dict(TOP_K=top_k, BLOCK_T=max(1, min(128, cfg["elems"] // block_e)), BLOCK_E=block_e,
                          BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid, RENORMALIZE=renorm)
             yield variant(_topk_routing_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
-                          targets=(target,), weights_ptr="*fp32", ids_ptr="*i32")
+                          targets=(target,), values=dict(stride_le=1), weights_ptr="*fp32", ids_ptr="*i32")
 
 
 AOT_VARIANTS = list(_aot_variants())
