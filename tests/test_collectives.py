@@ -363,19 +363,80 @@ def test_four_ranks_uneven_sizes_and_wrong_shape():
 
 
 # ----------------------------------------------------------------------------- no ranks needed
-def test_threshold_variables_reject_bad_values(monkeypatch):
+def test_settings_parse_once_and_reject_bad_values(monkeypatch):
+    from graft import plugins
     from graft.errors import GraftConfigError
     from graft.kernels.collectives import _common
 
     monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", "256KiB")
+    plugins.reset()
     assert _common.oneshot_max_bytes() == 256 * 1024
+    # Read once per configuration generation: a change shows after a reload only.
+    monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", "1KiB")
+    assert _common.oneshot_max_bytes() == 256 * 1024
+    plugins.reset()
+    assert _common.oneshot_max_bytes() == 1024
     for bad in ("lots", "-5", "1.5MiB"):
         monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", bad)
         with pytest.raises(GraftConfigError, match="GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES"):
-            _common.oneshot_max_bytes()
-    monkeypatch.setenv("GRAFT_OVERLAP_CHUNKS", "0")
-    with pytest.raises(GraftConfigError, match=">= 1"):
-        _common.overlap_chunks()
+            _common.read_settings()
+    monkeypatch.delenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES")
+    for value, match in (("0", ">= 1"), (str(2**70), "<= 1024")):
+        monkeypatch.setenv("GRAFT_OVERLAP_CHUNKS", value)
+        with pytest.raises(GraftConfigError, match=match):
+            _common.read_settings()
+    monkeypatch.delenv("GRAFT_OVERLAP_CHUNKS")
+    for value, mode in (("", "signature"), ("1", "signature"), ("0", "signature"), ("always", "always")):
+        monkeypatch.setenv("GRAFT_COLLECTIVES_VALIDATE", value)
+        assert _common.read_settings().validate == mode, value
+    monkeypatch.setenv("GRAFT_COLLECTIVES_VALIDATE", "sometimes")
+    with pytest.raises(GraftConfigError, match="'signature'.*'always'"):
+        _common.read_settings()
+    monkeypatch.delenv("GRAFT_COLLECTIVES_VALIDATE")
+    for bad in ("-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("GRAFT_COLLECTIVES_TIMEOUT", bad)
+        with pytest.raises(GraftConfigError, match="GRAFT_COLLECTIVES_TIMEOUT"):
+            _common.read_settings()
+    monkeypatch.setenv("GRAFT_COLLECTIVES_TIMEOUT", "2.5")
+    assert _common.read_settings().timeout_s == 2.5
+    monkeypatch.delenv("GRAFT_COLLECTIVES_TIMEOUT")
+    plugins.reset()
+
+
+def test_symmetric_memory_declared_limits():
+    from graft.kernels.collectives.allreduce import symm_mem_reason
+
+    ok = dict(device_type="cuda", dtype=torch.float32, numel=1024, element_size=4, storage_offset=0,
+              world_size=4, reduce_op="sum")
+    assert symm_mem_reason("oneshot", **ok) is None and symm_mem_reason("twoshot", **ok) is None
+    assert "float32 and bfloat16" in symm_mem_reason("oneshot", **dict(ok, dtype=torch.float16, element_size=2))
+    assert "only sum" in symm_mem_reason("oneshot", **dict(ok, reduce_op="max"))
+    assert "CUDA" in symm_mem_reason("oneshot", **dict(ok, device_type="cpu"))
+    assert "two-shot kernel is built for 2, 4, 8" in symm_mem_reason("twoshot", **dict(ok, world_size=3))
+    assert symm_mem_reason("oneshot", **dict(ok, world_size=3)) is None  # one-shot has a generic kernel
+    bf16_odd = dict(ok, dtype=torch.bfloat16, element_size=2, numel=1023)
+    assert "multiple of 4" in symm_mem_reason("oneshot", **bf16_odd)
+    assert "aligned like its staging buffer" in symm_mem_reason("oneshot", **dict(ok, storage_offset=1))
+    assert symm_mem_reason("oneshot", **dict(ok, storage_offset=4)) is None  # 16-byte offset
+
+
+def test_int8_roundtrip_keeps_nan_and_inf_exactly():
+    from graft.kernels.collectives.quantized_gather import dequantize, error_bound, quantize
+
+    for dtype in FLOATS:
+        x = (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
+        x[0, 3], x[1, 0], x[1, 1], x[2, 63] = float("nan"), float("inf"), float("-inf"), float("nan")
+        x[3] = float("inf")  # a block with nothing finite
+        q, s = quantize(x, 32)
+        y = dequantize(q, s, x.numel(), x.shape, x.dtype)
+        assert torch.equal(torch.isnan(y), torch.isnan(x)) and torch.equal(torch.isinf(y), torch.isinf(x))
+        inf = torch.isinf(x)
+        assert torch.equal(y[inf], x[inf])
+        finite = torch.isfinite(x)
+        err = (y.float() - x.float()).abs()
+        assert bool((err[finite] <= error_bound(x, 32)[finite]).all())
+        # the rest of a block holding a NaN keeps its precision (the scale ignores non-finite values)
+        assert bool(torch.isfinite(error_bound(x, 32)).all()) and float(err[0, :32][finite[0, :32]].max()) < 0.1
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
