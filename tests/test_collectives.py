@@ -311,6 +311,121 @@ def w_four_ranks(rank, ws):
     return _catch(lambda: C.all_reduce(make(rank, (4 + (rank == 2),))))
 
 
+def _agreements(pg=None):
+    import torch.distributed as dist
+
+    from graft.kernels.collectives import agreement
+
+    return agreement._seq.get(pg or dist.group.WORLD, 0)
+
+
+def w_plans_async_agreement(rank, ws):
+    import time
+
+    import torch.distributed as dist
+
+    from graft.errors import GraftCollectiveError, GraftInputError
+    from graft.kernels.collectives._common import Work
+    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.ops import collectives as C
+
+    out = {}
+    reset_graft()
+    # Once per signature: the second call of a signature exchanges nothing.
+    x = make(rank, (64,))
+    C.all_reduce(x)
+    seen = _agreements()
+    for _ in range(3):
+        C.all_reduce(x)
+        C.all_reduce_(x.clone())
+    out["repeat_exchanges"] = _agreements() - seen
+    C.all_reduce(make(rank, (65,)))  # a new shape is a new signature
+    out["new_shape_exchanges"] = _agreements() - seen
+    reset_graft(GRAFT_COLLECTIVES_VALIDATE="always")
+    seen = _agreements()
+    for _ in range(3):
+        C.all_reduce(x)
+    out["always_exchanges"] = _agreements() - seen
+
+    # async_op=True: a real handle; the call returns before the peer has even called.
+    reset_graft()
+    t = torch.full((1000,), float(rank + 1))
+    C.all_reduce_(t.clone())  # agree on the signature first (the agreement itself is blocking)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.perf_counter()
+    work = C.all_reduce_(t, async_op=True)
+    out["async_return_s"] = time.perf_counter() - start
+    assert isinstance(work, Work)
+    work.wait()
+    out["async_wait_s"] = time.perf_counter() - start
+    assert torch.equal(t, torch.full((1000,), float(ws * (ws + 1) / 2)))
+    gathered = torch.empty(ws * 4)
+    C.all_gather_into(gathered, torch.full((4,), float(rank)), async_op=True).wait()
+    assert torch.equal(gathered, torch.arange(ws).repeat_interleave(4).float())
+    scattered = torch.empty(3)
+    w = C.reduce_scatter_into(scattered, torch.arange(3.0 * ws), async_op=True)
+    assert w.wait() and w.is_completed()
+    assert torch.equal(scattered, ws * torch.arange(3.0 * rank, 3.0 * rank + 3))
+    # graft's own algorithm in place (copied back; the handle is complete)
+    reset_graft(GRAFT_COLLECTIVES_ALL_REDUCE="oneshot")
+    t = torch.full((8,), float(rank + 1))
+    C.all_reduce_(t, async_op=True).wait()
+    assert torch.equal(t, torch.full((8,), float(ws * (ws + 1) / 2)))
+
+    # Ranks configured differently: a clear error on every rank, not a hang.
+    reset_graft(**({"GRAFT_COLLECTIVES_ALL_REDUCE": "oneshot"} if rank == 0 else {}))
+    out["algorithm"] = _catch(lambda: C.all_reduce(make(rank, (16,))))
+    reset_graft(**({"GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES": "1KiB"} if rank == 1 else {}))
+    out["threshold"] = _catch(lambda: C.all_reduce(make(rank, (16,))))
+    # "Validation off" still agrees on a new signature: a shape mismatch is an error, not an abort.
+    reset_graft(GRAFT_COLLECTIVES_VALIDATE="0")
+    out["shape_off"] = _catch(lambda: C.all_reduce(make(rank, (40 + rank,))))
+
+    # int8 gather: NaN and +-Inf arrive exactly as the exact gather delivers them.
+    reset_graft(GRAFT_QUANTIZED_GATHER_MIN_BYTES="0")
+    inputs = []
+    for r in range(ws):
+        v = make(r, (4, 64), salt=40) * 3
+        v[r, 5], v[2, 7 + r], v[3, 0] = float("nan"), float("inf"), float("-inf")
+        inputs.append(v)
+    got = C.all_gather_quantized(inputs[rank], None, 32)
+    exact = torch.cat(inputs)
+    assert torch.equal(torch.isnan(got), torch.isnan(exact))
+    inf = torch.isinf(exact)
+    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], exact[inf])
+    finite = torch.isfinite(exact)
+    bound = torch.cat([error_bound(v, 32) for v in inputs])
+    assert bool(((got - exact).abs()[finite] <= bound[finite]).all())
+    out["int8_differ"] = int((~finite).sum())
+    reset_graft()
+    assert torch.equal(C.all_reduce(torch.ones(3)), torch.full((3,), float(ws)))  # the group still works
+    assert GraftCollectiveError and GraftInputError
+    return out
+
+
+def w_peer_skips(rank, ws):
+    import time
+
+    from graft.errors import GraftCollectiveError
+    from graft.ops import collectives as C
+
+    reset_graft(GRAFT_COLLECTIVES_TIMEOUT="3")
+    x = make(rank, (32,))
+    C.all_reduce(x)  # both agree on this signature
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            C.all_reduce(x)  # rank 1 never calls this one
+        else:
+            C.all_gather(make(rank, (5, 3)))  # it skipped ahead to its next collective
+        text = "NO ERROR"
+    except GraftCollectiveError as exc:
+        text = str(exc)
+    return text, time.perf_counter() - start
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.timeout(150)
 def test_all_reduce_algorithms_and_selection_2_ranks():
@@ -360,6 +475,33 @@ def test_four_ranks_uneven_sizes_and_wrong_shape():
     texts = run_ranks(w_four_ranks, 4, timeout=180)
     for t in texts:
         assert "rank 2: device cpu, x float32 (5,)" in t, t
+
+
+@pytest.mark.timeout(120)
+def test_plans_async_handles_and_rank_disagreements_2_ranks():
+    results = run_ranks(w_plans_async_agreement, 2, timeout=100)
+    for rank, r in enumerate(results):
+        assert r["repeat_exchanges"] == 0 and r["new_shape_exchanges"] == 1, r
+        assert r["always_exchanges"] == 3, r
+        assert "selected different algorithms" in r["algorithm"] and "oneshot" in r["algorithm"], r["algorithm"]
+        assert "torch" in r["algorithm"], r["algorithm"]
+        assert "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES: rank 0: 524288, rank 1: 1024" in r["threshold"], r["threshold"]
+        assert "(40,)" in r["shape_off"] and "(41,)" in r["shape_off"], r["shape_off"]
+        assert r["int8_differ"] == 6
+    # rank 0's async call returned while rank 1 was still asleep; its wait() then waited
+    assert results[0]["async_return_s"] < 0.5 and results[0]["async_wait_s"] > 0.6, results[0]
+
+
+@pytest.mark.timeout(90)
+def test_peer_that_skips_a_call_times_out_clearly_on_both_ranks():
+    from datetime import timedelta
+
+    results = run_ranks(w_peer_skips, 2, timeout=70, pg_timeout=timedelta(seconds=8))
+    (text0, t0), (text1, t1) = results
+    assert "collectives.all_reduce" in text0 and "did not complete within 3 s (GRAFT_COLLECTIVES_TIMEOUT)" in text0
+    assert "group '0'" in text0 and "global ranks 0, 1" in text0, text0
+    assert "collectives.all_gather" in text1 and "rank(s) 0 did not reach this call within 3 s" in text1, text1
+    assert 2.5 < t0 < 8 and 2.5 < t1 < 8, (t0, t1)
 
 
 # ----------------------------------------------------------------------------- no ranks needed

@@ -276,17 +276,17 @@ OPS = [
 # --------------------------------------------------------------------------------------
 def all_reduce(x, group=None, op: str = "sum"):
     """Sum (or max/min) ``x`` over the ranks of ``group``; returns a new tensor."""
-    return fastpath.run("collectives.all_reduce", x, group, op)
+    return fastpath.all_reduce(x, group, op)
 
 
 def all_gather(x, group=None, sizes=None):
     """Concatenate every rank's ``x`` along dim 0; ``sizes`` allows uneven row counts."""
-    return fastpath.run("collectives.all_gather", x, group, sizes)
+    return fastpath.all_gather(x, group, sizes)
 
 
 def reduce_scatter(x, group=None, op: str = "sum", sizes=None):
     """Reduce ``x`` over the ranks; rank r returns row block r (``sizes`` for uneven blocks)."""
-    return fastpath.run("collectives.reduce_scatter", x, group, op, sizes)
+    return fastpath.reduce_scatter(x, group, op, sizes)
 
 
 def all_gather_quantized(x, group=None, block_size: int = 128):

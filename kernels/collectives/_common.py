@@ -160,11 +160,12 @@ def read_settings(environ=None) -> Settings:
 
 
 def generation():
-    """graft's configuration generation: a new registry after ``plugins.reset()`` (and a
-    config reload) means the GRAFT_* variables are read again. The one place that knows it."""
-    from graft.plugins import get_registry
+    """graft's configuration generation: a new plugin host after ``plugins.reset()`` (and a
+    config reload) means the GRAFT_* variables are read again. The one place that knows it
+    (read on every call: a module attribute, no lock)."""
+    from graft import plugins
 
-    return get_registry()
+    return plugins._host or plugins.get_host()
 
 
 _settings: tuple = (None, None)  # (generation, Settings)
