@@ -1,6 +1,7 @@
 """nccl-tests style benchmark of graft's collectives against the plain library collective.
 
     python -m graft.kernels.collectives.bench                       # CPU/gloo, 2 ranks, quick
+    python -m graft.kernels.collectives.bench overhead --ranks 2     # graft's own cost (``overhead()``)
     python -m graft.kernels.collectives.bench --backend nccl --ranks 8 \\
         --min-bytes 8 --max-bytes 512MiB --factor 2 --iters 50      # one GPU node
 
@@ -13,8 +14,7 @@ divided by this row's, both measured in the same run on the same buffers (> 1: f
 Absolute times describe this machine only; claims are made with ratios.
 
 Implementations per op: ``library`` (torch.distributed, what graft's reference runs),
-``graft`` (the public entry point: validation + selection + the selected impl; its
-ratio is the cost of the metadata exchange for small messages), ``oneshot`` /
+``graft`` (the public entry point: a cached per-signature plan + the selected impl), ``oneshot`` /
 ``twoshot`` (forced regardless of thresholds, to show where they pay), ``int8``
 (quantized all-gather vs the exact one), ``overlap`` (chunked GEMM + collective vs
 GEMM then collective, for M x 256 x 256 per-rank GEMMs sized so the collective moves
