@@ -324,7 +324,6 @@ def w_plans_async_agreement(rank, ws):
 
     import torch.distributed as dist
 
-    from graft.errors import GraftCollectiveError, GraftInputError
     from graft.kernels.collectives._common import Work
     from graft.kernels.collectives.quantized_gather import error_bound
     from graft.ops import collectives as C
@@ -401,7 +400,6 @@ def w_plans_async_agreement(rank, ws):
     out["int8_differ"] = int((~finite).sum())
     reset_graft()
     assert torch.equal(C.all_reduce(torch.ones(3)), torch.full((3,), float(ws)))  # the group still works
-    assert GraftCollectiveError and GraftInputError
     return out
 
 
