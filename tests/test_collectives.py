@@ -507,6 +507,7 @@ def test_peer_that_skips_a_call_times_out_clearly_on_both_ranks():
 
 # ----------------------------------------------------------------------------- no ranks needed
 def test_settings_parse_once_and_reject_bad_values(monkeypatch):
+    import graft
     from graft import plugins
     from graft.errors import GraftConfigError
     from graft.kernels.collectives import _common
@@ -514,10 +515,11 @@ def test_settings_parse_once_and_reject_bad_values(monkeypatch):
     monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", "256KiB")
     plugins.reset()
     assert _common.oneshot_max_bytes() == 256 * 1024
-    # Read once per configuration generation: a change shows after a reload only.
-    monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", "1KiB")
+    # Read once per configuration generation: a change shows after a reload only (this
+    # suite's monkeypatch reloads by itself, so change os.environ behind its back).
+    os.environ["GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES"] = "1KiB"
     assert _common.oneshot_max_bytes() == 256 * 1024
-    plugins.reset()
+    graft.reload_config()
     assert _common.oneshot_max_bytes() == 1024
     for bad in ("lots", "-5", "1.5MiB"):
         monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", bad)

@@ -23,7 +23,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 _PG = dist.ProcessGroup
 
-from graft import plugins as _plugins
+from graft import config as _config
 from graft.errors import GraftError
 
 from ._common import _all_gather_single as _raw_all_gather
@@ -139,7 +139,7 @@ def _lookup(key, op: str, args: tuple) -> Plan:
         return plan(op, *args)
     except KeyError:
         found = None
-    if found is None or found.gen is not (_plugins._host or generation()) or found.always:
+    if found is None or found.gen is not (_config._snapshot or generation()) or found.always:
         found = plan(op, *args)
         _plans[key] = found
     return found
@@ -199,7 +199,7 @@ def all_reduce(x, group=None, op: str = "sum"):
     """Functional all-reduce (``graft.ops.collectives.all_reduce``)."""
     key = ("collectives.all_reduce", x.shape, x.dtype, x.device, _G(group), op)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_reduce", (x, group, op))
     if p.library:
         out = x.clone(memory_format=torch.contiguous_format)
@@ -215,7 +215,7 @@ def all_gather(x, group=None, sizes=None):
     """Functional all-gather (``graft.ops.collectives.all_gather``)."""
     key = ("collectives.all_gather", x.shape, x.dtype, x.device, _G(group), None if sizes is None else tuple(sizes))
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_gather", (x, group, sizes))
     if p.library and sizes is None:
         out = x.new_empty(p.ws * x.shape[0]) if x.dim() == 1 else x.new_empty((p.ws * x.shape[0],) + x.shape[1:])
@@ -231,7 +231,7 @@ def reduce_scatter(x, group=None, op: str = "sum", sizes=None):
     """Functional reduce-scatter (``graft.ops.collectives.reduce_scatter``)."""
     key = ("collectives.reduce_scatter", x.shape, x.dtype, x.device, _G(group), op, None if sizes is None else tuple(sizes))
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.reduce_scatter", (x, group, op, sizes))
     if p.library and sizes is None:
         out = (x.new_empty(x.shape[0] // p.ws) if x.dim() == 1
@@ -255,7 +255,7 @@ def all_reduce_(tensor, group=None, op: str = "sum", async_op: bool = False, ser
     """In-place all-reduce of ``tensor`` (torch.distributed.all_reduce semantics)."""
     key = ("collectives.all_reduce", tensor.shape, tensor.dtype, tensor.device, _G(group), op)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_reduce", (tensor, group, op))
     if served is not None:
         served(p.backend)
@@ -279,7 +279,7 @@ def all_gather_into(output, input, group=None, async_op: bool = False, served=No
     contiguous; torch.distributed.all_gather_into_tensor semantics)."""
     key = ("collectives.all_gather", input.shape, input.dtype, input.device, _G(group), None)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_gather", (input, group, None))
     if served is not None:
         served(p.backend)
@@ -303,7 +303,7 @@ def reduce_scatter_into(output, input, group=None, op: str = "sum", async_op: bo
     (torch.distributed.reduce_scatter_tensor semantics)."""
     key = ("collectives.reduce_scatter", input.shape, input.dtype, input.device, _G(group), op, None)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.reduce_scatter", (input, group, op, None))
     if served is not None:
         served(p.backend)
