@@ -1,0 +1,109 @@
+"""Triton GEMM planning and split-K: the tile table per M range and target, split sizing,
+shared-memory fit, and the split-K kernels + deterministic reduce vs the torch reference."""
+import math
+
+import pytest
+import torch
+
+from graft.ops import gemm as G
+
+pytestmark = pytest.mark.usefixtures("fresh_graft")
+
+TOL = {
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+}
+LLAMA_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+            (1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584)]
+
+
+def _common():
+    from graft.kernels.triton import _gemm_common
+
+    return _gemm_common
+
+
+@pytest.mark.parametrize("family, sms", [("hopper", 132), ("cdna3", 304)])
+@pytest.mark.parametrize("size", [4, 2, 1])
+def test_every_plan_fits_and_fills_the_gpu(family, sms, size):
+    c = _common()
+    limit = c.SHARED_LIMIT[family]
+    for m in (1, 16, 64, 128, 512, 4096, 8192):
+        for n, k in LLAMA_NK:
+            cfg = c.gemm_plan(m, n, k, "cuda", size, family=family, sms=sms)
+            assert c.buffered_stages(cfg, family) * c.stage_bytes(cfg, size, size) <= limit, (m, n, k, cfg)
+            tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
+            splits, per = cfg["SPLIT_K"], cfg["K_PER_SPLIT"]
+            assert per % cfg["BLOCK_K"] == 0 or splits == 1
+            assert (splits - 1) * per < k <= splits * per  # no empty split, all of K covered
+            if tiles * splits < sms:  # still under one wave: split as far as K allows
+                assert splits == c.MAX_SPLIT_K or k // cfg["BLOCK_K"] < c.MIN_K_STEPS_PER_SPLIT * (splits + 1)
+            if m >= 512:
+                assert cfg["BLOCK_M"] >= 64
+
+
+def test_small_m_splits_large_m_does_not():
+    c = _common()
+    decode = c.gemm_plan(1, 4096, 4096, "cuda", 2, family="hopper", sms=132)
+    assert decode["BLOCK_M"] == 16 and decode["SPLIT_K"] > 1
+    tiles = math.ceil(4096 / decode["BLOCK_N"])
+    assert tiles * decode["SPLIT_K"] >= 132  # one launch covers every SM
+    prefill = c.gemm_plan(4096, 4096, 4096, "cuda", 2, family="hopper", sms=132)
+    assert prefill["SPLIT_K"] == 1 and prefill["BLOCK_M"] == 128
+    # K step in bytes: the same shared memory per stage for every operand size
+    f32 = c.gemm_plan(4096, 4096, 4096, "cuda", 4, family="hopper", sms=132)
+    i8 = c.gemm_plan(4096, 4096, 4096, "cuda", 1, family="hopper", sms=132)
+    assert (f32["BLOCK_K"], prefill["BLOCK_K"], i8["BLOCK_K"]) == (32, 64, 128)
+
+
+def test_fit_shared_trims_an_over_limit_config():
+    c = _common()
+    big = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+    assert 4 * c.stage_bytes(big, 4, 4) == 262_144  # the fp32 config that could not launch on an H200
+    fitted = c.fit_shared(big, "hopper", 4, 4)
+    assert fitted["num_stages"] * c.stage_bytes(fitted, 4, 4) <= c.SHARED_LIMIT["hopper"] - 8192
+    assert c.fit_shared(big, "interpreter", 4, 4) == big
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("m, n, k, splits", [(1, 40, 200, 3), (5, 33, 129, 2), (17, 64, 96, 4), (3, 8, 64, 8)])
+def test_forced_split_k_matches_reference(m, n, k, splits, dtype):
+    from graft.kernels.triton.gemm_dense import matmul, plan
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    assert plan(m, n, k, dtype, "cpu", split_k=splits)["SPLIT_K"] > 1
+    act = G.ACTIVATIONS[(m + n) % len(G.ACTIVATIONS)]
+    y = matmul(x, w.t(), b, act, split_k=splits)
+    torch.testing.assert_close(y.float(), G.linear_reference(x, w, b, act).float(), **TOL[dtype])
+    assert torch.equal(y, matmul(x, w.t(), b, act, split_k=splits))  # fixed-order reduce: bit-reproducible
+
+
+def test_matmul_any_strides_and_out():
+    """The launcher backward passes reuse: transposed operands (dW = dy.T @ x) and an fp32 out."""
+    from graft.kernels.triton.gemm_dense import matmul
+
+    gen = torch.Generator().manual_seed(1)
+    dy = torch.randn(37, 24, generator=gen, dtype=torch.float32)  # [tokens, N]
+    x = torch.randn(37, 40, generator=gen, dtype=torch.float32)  # [tokens, K]
+    dw = matmul(dy.t(), x, split_k=3)  # [N, K], reduction over tokens
+    torch.testing.assert_close(dw, dy.t() @ x, atol=1e-4, rtol=1e-4)
+    out = torch.empty(40, 24, dtype=torch.float32).t()  # non-contiguous destination
+    matmul(dy.t(), x, out=out)
+    torch.testing.assert_close(out, dy.t() @ x, atol=1e-4, rtol=1e-4)
+    h = torch.randn(6, 40, generator=gen).half()
+    wt = torch.randn(40, 72, generator=gen).half()[:, ::3]  # stride 3 along N
+    torch.testing.assert_close(matmul(h, wt).float(), h.float() @ wt.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_split_k_edge_cases():
+    from graft.kernels.triton.gemm_dense import matmul
+
+    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    torch.testing.assert_close(matmul(x, w, split_k=50), x @ w, atol=1e-5, rtol=1e-5)  # more splits than K steps
+    assert matmul(torch.randn(0, 16), w, split_k=4).shape == (0, 8)
+    b = torch.randn(8)
+    torch.testing.assert_close(matmul(torch.randn(4, 0), torch.randn(0, 8), b, "relu"), torch.relu(b).expand(4, 8))
