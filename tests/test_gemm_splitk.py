@@ -107,3 +107,38 @@ def test_split_k_edge_cases():
     assert matmul(torch.randn(0, 16), w, split_k=4).shape == (0, 8)
     b = torch.randn(8)
     torch.testing.assert_close(matmul(torch.randn(4, 0), torch.randn(0, 8), b, "relu"), torch.relu(b).expand(4, 8))
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("m, n, k, g, zeros, splits", [(1, 16, 256, 32, True, 4), (3, 24, 128, -1, False, 3),
+                                                       (16, 40, 192, 64, True, 2)])
+def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits):
+    from graft.kernels.triton import gemm_w4a16
+    from graft.quant import pack_int4
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    groups = 1 if g == -1 else k // g
+    z = torch.randint(1, 16, (groups, n), generator=gen, dtype=torch.int32) if zeros else None
+    qweight, qzeros = pack_int4(q, z, fmt)
+    scales = ((torch.rand(groups, n, generator=gen) + 0.5) / (4 * math.sqrt(k))).half()
+    x = torch.randn(m, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half()
+    cfg = gemm_w4a16.plan(m, n, k, x.dtype, "cpu", g, split_k=splits)
+    assert cfg["SPLIT_K"] > 1 and (g == -1 or g % cfg["BLOCK_K"] == 0)
+    orig = gemm_w4a16.plan
+    try:
+        gemm_w4a16.plan = lambda *a, **kw: dict(cfg)
+        y = gemm_w4a16._w4a16_2d(x, qweight, scales, qzeros, b, g, fmt)
+    finally:
+        gemm_w4a16.plan = orig
+    ref = G.w4a16_reference(x, qweight, scales, qzeros, b, g, fmt)
+    torch.testing.assert_close(y.float(), ref.float(), **TOL[torch.float16])
+
+
+def test_w4a16_plan_splits_at_decode_sizes():
+    from graft.kernels.triton import gemm_w4a16
+
+    cfg = gemm_w4a16.plan(1, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)
+    assert cfg["SPLIT_K"] > 1 and 128 % cfg["BLOCK_K"] == 0 and cfg["K_PER_SPLIT"] % 128 == 0
+    assert gemm_w4a16.plan(4096, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)["SPLIT_K"] == 1
