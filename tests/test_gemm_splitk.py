@@ -142,3 +142,39 @@ def test_w4a16_plan_splits_at_decode_sizes():
     cfg = gemm_w4a16.plan(1, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)
     assert cfg["SPLIT_K"] > 1 and 128 % cfg["BLOCK_K"] == 0 and cfg["K_PER_SPLIT"] % 128 == 0
     assert gemm_w4a16.plan(4096, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)["SPLIT_K"] == 1
+
+
+def _tile_order_probe():
+    import triton
+    import triton.language as tl
+
+    from graft.kernels.triton import _gemm_common, moe_fused
+
+    global tile_coords, _grouped_tile  # the jit function resolves its callees in module globals
+    tile_coords, _grouped_tile = _gemm_common.tile_coords, moe_fused._grouped_tile
+
+    @triton.jit
+    def probe(out_ptr, M, N, tm, tn, GROUP_M: tl.constexpr, MOE: tl.constexpr):
+        if MOE:
+            a, b = _grouped_tile(tm, tn, GROUP_M)
+        else:
+            a, b = tile_coords(M, N, 16, 16, GROUP_M)
+        pid = tl.program_id(0)
+        tl.store(out_ptr + 2 * pid, a)
+        tl.store(out_ptr + 2 * pid + 1, b)
+
+    return probe
+
+
+@pytest.mark.parametrize("tiles_m, tiles_n, group", [(5, 3, 2), (7, 4, 8), (1, 6, 1), (9, 2, 4)])
+def test_grouped_tile_orders_cover_every_tile_once(tiles_m, tiles_n, group):
+    """GEMM's tile_coords and fused MoE's _grouped_tile: a permutation of the tile grid, with
+    GROUP_M consecutive programs sharing a column tile."""
+    probe = _tile_order_probe()
+    for moe in (False, True):
+        out = torch.full((tiles_m * tiles_n, 2), -1, dtype=torch.int32)
+        probe[(tiles_m * tiles_n,)](out, tiles_m * 16, tiles_n * 16, tiles_m, tiles_n, GROUP_M=group, MOE=moe)
+        pairs = [tuple(p) for p in out.tolist()]
+        assert sorted(pairs) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
+        band = min(group, tiles_m)
+        assert len({j for _, j in pairs[:band]}) == 1  # the first band's programs share a column tile
