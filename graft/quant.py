@@ -254,7 +254,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK, dtype:
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(m, groups, group)
     scale = _fp8_scale(padded.abs().amax(dim=2), dtype)
-    q = (padded / scale[:, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).reshape(m, -1)[:, :k]
+    q = (padded / scale[:, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).reshape(m, groups * group)[:, :k]
     return q.to(dtype).contiguous(), scale
 
 
