@@ -347,6 +347,32 @@ def _moe_cases(quick: bool, backends) -> list:
             return graft_impls("moe.fused_experts", args, backends), base
         return build
 
+    def build_fp8(e, top_k, h, inter, t):
+        def build(device, dtype):
+            import torch
+
+            from graft import quant
+
+            gen = _gen(device)
+            fmt = torch.float8_e4m3fnuz if _is_rocm() else torch.float8_e4m3fn
+            hidden = _randn((t, h), device, dtype, gen)
+            w13 = _randn((e, 2 * inter, h), device, dtype, gen, 1 / math.sqrt(h))
+            w2 = _randn((e, h, inter), device, dtype, gen, 1 / math.sqrt(inter))
+            # per expert: the fp32 temporaries of one expert at a time, not of all 256
+            q13, q2 = [quant.quantize_fp8_block(w, dtype=fmt) for w in w13], [quant.quantize_fp8_block(w, dtype=fmt) for w in w2]
+            w13_q, w13_s = torch.stack([q for q, _ in q13]), torch.stack([s for _, s in q13])
+            w2_q, w2_s = torch.stack([q for q, _ in q2]), torch.stack([s for _, s in q2])
+            logits = torch.randn((t, e), device=device, generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+            weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+            args = (hidden, w13_q, w2_q, w13_s, w2_s, weights, ids, "silu")
+            impls = graft_impls("moe.fused_experts_fp8", args, backends)
+            # graft's own bf16 fused MoE on the same (unquantized) weights: what fp8 buys
+            impls.update({f"{k} (bf16 weights)": v for k, v in
+                          graft_impls("moe.fused_experts", (hidden, w13, w2, weights, ids, "silu"), backends).items()})
+            return impls, {"loop_over_experts(bf16)": lambda: _moe_loop(hidden, w13, w2, weights, ids)}
+        return build
+
     cases = []
     for model, (e, top_k, h, inter) in models.items():
         for t in ts:
@@ -355,6 +381,10 @@ def _moe_cases(quick: bool, backends) -> list:
             touched = min(e, t * top_k)
             cases.append(Case("moe", f"{model}_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h, inter=inter, T=t),
                               build_for(e, top_k, h, inter, t), tier, flops, 2.0 * touched * 3 * h * inter))
+            if model in ("deepseek_v3", "tiny"):  # DeepSeek-V3 ships fp8 block-scaled experts
+                cases.append(Case("moe", f"{model}_fp8_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h,
+                                                                    inter=inter, T=t, weights="fp8 128x128 blocks"),
+                                  build_fp8(e, top_k, h, inter, t), tier, flops, 1.0 * touched * 3 * h * inter))
     return cases
 
 
@@ -737,7 +767,7 @@ def run(args) -> int:
         r = run_case(case, device, dtype, not args.no_graphs, args.rounds)
         results.append(r)
         write_reports(results, env, args.out, tag)  # after every case: a killed run still leaves its results
-        ratios = ", ".join(f"{p.split(' vs ')[1]} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
+        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
         print(f"[{i}/{len(cases)} {elapsed:5.0f}s] {r.status:5} {case.family}/{case.name}: {ratios}", flush=True)
     skipped = sum(r.status == "skipped" for r in results)
     env["wall_s"] = round(time.perf_counter() - start, 1)

@@ -30,7 +30,8 @@ def test_quick_run_covers_every_family(tmp_path):
         assert "graft:torch" in r["timings"] and r["timings"]["graft:torch"]["median_s"] > 0
         assert r["ratios"], r["name"]  # at least one baseline timed in the same run
         for label, diff in r["value_check"].items():  # the baselines compute the same thing
-            assert diff is not None and diff < 0.05, (r["name"], label, diff)
+            bound = 0.15 if "fp8" in r["name"] and r["family"] == "moe" else 0.05  # fp8 experts vs bf16 loop
+            assert diff is not None and diff < bound, (r["name"], label, diff)
     assert report["environment"]["check_values"] == "0"
     assert report["summary"]["gemm"]["ok"] == 15
     html = (tmp_path / "kernels-t.html").read_text()
