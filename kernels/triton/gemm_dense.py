@@ -76,7 +76,7 @@ def _linear_kernel(
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, **what_if) -> dict:
     """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     cfg = gemm_plan(m, n, k, device, size, **what_if)
     if split_k is not None and split_k != cfg["SPLIT_K"]:
         steps = triton.cdiv(k, cfg["BLOCK_K"])
@@ -179,7 +179,10 @@ def _aot_variants():
                 last = i == len(plans) - 1
                 acts = ACTIVATIONS if (dtype == torch.bfloat16 and last) else ("gelu",)
                 # TF32 stages fp32 tiles in shared memory (the worst case); IEEE once per target.
-                precisions = ("tf32", "ieee") if dtype == torch.float32 and last else ("tf32",) if dtype == torch.float32 else ("ieee",)
+                if dtype != torch.float32:
+                    precisions = ("ieee",)
+                else:
+                    precisions = ("tf32", "ieee") if last else ("tf32",)
                 for act in acts:
                     for precision in precisions:
                         split = 2 if cfg["SPLIT_K"] > 1 else 1  # SPLIT_K only switches the store path

@@ -114,7 +114,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device, group_size: int, sp
     """The shared GEMM plan with BLOCK_K dividing the group (per channel: any; K is then one
     group, so a split must not start mid-pack either: BLOCK_K stays a multiple of 16).
     B stages as packed words (0.5 B per code) plus the dequantized tile the MMA reads."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     cfg = gemm_plan(m, n, k, device, size, size + 0.5, k_multiple_of=0 if group_size == -1 else group_size,
                     **what_if)
     if split_k is not None:
