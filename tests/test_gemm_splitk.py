@@ -111,7 +111,8 @@ def test_split_k_edge_cases():
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
 @pytest.mark.parametrize("m, n, k, g, zeros, splits", [(1, 16, 256, 32, True, 4), (3, 24, 128, -1, False, 3),
-                                                       (16, 40, 192, 64, True, 2)])
+                                                       (16, 40, 192, 64, True, 2),
+                                                       (2, 16, 160, 32, True, 3)])  # last split: a step past K
 def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits):
     from graft.kernels.triton import gemm_w4a16
     from graft.quant import pack_int4

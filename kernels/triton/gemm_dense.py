@@ -52,7 +52,6 @@ def _linear_kernel(
     """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T)."""
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -64,8 +63,11 @@ def _linear_kernel(
     step_x = tl.cast(stride_xk, tl.int64) * BLOCK_K
     step_w = tl.cast(stride_wk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = ks < k_end - k0
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + kk
+        k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = dot_acc(a, b, acc, UPCAST, PRECISION)

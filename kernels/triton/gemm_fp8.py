@@ -57,7 +57,6 @@ def _fp8_kernel(
 ):  # fmt: skip
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -70,8 +69,11 @@ def _fp8_kernel(
     xs_rows = xs_ptr + rows.to(tl.int64) * stride_xs_m
     ws_cols = ws_ptr + (cols // 128).to(tl.int64) * stride_ws_n  # 128: SCALE_BLOCK (blockwise only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = ks < k_end - k0
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + kk
+        k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
@@ -79,8 +81,9 @@ def _fp8_kernel(
             b = b.to(tl.float32)
         if BLOCKWISE:
             group = k0 // 128
-            xs = tl.load(xs_rows + group * stride_xs_g, mask=row_ok, other=0.0)
-            ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok, other=0.0)
+            # no scale read for a step past K (last split); k0 as a vector: see gemm_w4a16
+            xs = tl.load(xs_rows + group * stride_xs_g, mask=row_ok & ((rows * 0 + k0) < K), other=0.0)
+            ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok & ((cols * 0 + k0) < K), other=0.0)
             acc += tl.dot(a, b, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
         else:
             acc = tl.dot(a, b, acc, out_dtype=tl.float32)

@@ -54,7 +54,6 @@ def _w4a16_kernel(
 ):  # fmt: skip
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_PER_SPLIT
-    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -80,8 +79,11 @@ def _w4a16_kernel(
         q_step = tl.cast(stride_qk, tl.int64) * (BLOCK_K // 8)
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = ks < k_end - k0
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + kk
+        k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # interpreted bf16: build the dequantized tile in fp32 too, never in bf16
             a = a.to(tl.float32)
@@ -90,12 +92,15 @@ def _w4a16_kernel(
             words = tl.load(q_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0)
             q = tl.reshape((words[:, :, None] >> awq_shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
         else:
-            words = tl.load(q_ptrs, mask=(wks < (k_end - k0) // 8)[:, None] & col_ok[None, :], other=0)
+            words = tl.load(q_ptrs, mask=(wks < (K - k0) // 8)[:, None] & col_ok[None, :], other=0)
             q = tl.reshape((words[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole step is one group
-        scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=col_ok, other=0.0)
+        # A step past K (last split) reads no scale: its tile is exactly 0. (k0 broadcast to a
+        # vector first: the interpreter rejects a scalar-vector mask.)
+        live = col_ok & ((cols * 0 + k0) < K)
+        scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=live, other=0.0)
         if HAS_ZEROS:
-            zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=col_ok, other=0)
+            zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=live, other=0)
             zero = (zp >> zero_shift) & 0xF
             if not AWQ:
                 zero += 1  # GPTQ (AutoGPTQ v1) stores zero - 1
