@@ -89,7 +89,7 @@ def _attend(q, k, v, scale, causal):
     if sk == 0:
         return torch.zeros(sq, num_heads, q.shape[-1], dtype=torch.float32, device=q.device)
     # Rows that see no key: softmax of all -inf is NaN; define them as zeros.
-    row_empty = torch.isinf(scores).all(dim=-1, keepdim=True)
+    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # masked out, not +inf from an inf input
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
     return torch.matmul(probs, vf).transpose(0, 1)  # [Sq, H, D]
 

@@ -210,7 +210,7 @@ def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
 def activate(y, ACTIVATION: tl.constexpr):
     """Epilogue activation on fp32 values (names as in graft.ops.gemm.ACTIVATIONS)."""
     if ACTIVATION == "relu":
-        y = tl.maximum(y, 0.0)
+        y = tl.where(y < 0.0, 0.0, y)  # keeps NaN as torch.relu does (maximum(NaN, 0) may give 0)
     elif ACTIVATION == "gelu":
         # tanh approximation; tanh(u) = 2 * sigmoid(2u) - 1 keeps to ops every backend has.
         inner = 0.7978845608028654 * (y + 0.044715 * y * y * y)
