@@ -8,10 +8,12 @@ all-gather) and the inference all-reduce of tensor-parallel inference (AutoTP) s
 ``graft.ops.collectives`` instead; everything else (groups, barriers,
 point-to-point, broadcast) is DeepSpeed's own code.
 
-graft's collectives are functional (they return a new tensor), DeepSpeed's write into
-their arguments, so each routed call copies the result into place. graft runs them
-synchronously: an ``async_op=True`` caller gets a handle that is already complete.
-Calls graft does not serve (other reduce ops such as AVG/PRODUCT, integer tensors) go to
+Each routed call asks graft's selection which implementation serves it. When that is
+graft's torch backend (the library collective, which is what graft's reference runs),
+DeepSpeed's own in-place call runs, ``async_op=True`` handles and all, so graft costs
+only the selection. Another implementation (one-shot, two-shot, a vendor kernel) is
+functional: it returns a new tensor, which is copied into DeepSpeed's, and it runs
+synchronously (an ``async_op=True`` caller gets a completed handle). Calls graft does not serve (other reduce ops such as AVG/PRODUCT, integer tensors) go to
 ``torch.distributed`` exactly as without graft, and are counted as fallbacks (each reason
 logged once at INFO on ``graft.integration.deepspeed``).
 """
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
 
 from graft.adapters.deepspeed.stats import count, fallback
+from graft.config import REFERENCE_BACKEND
 
 # The dtypes graft's collectives ops are specified for.
 ROUTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,12 +74,29 @@ def _reduce_reason(name, op) -> str | None:
     return f"reduce op {op}" if name is None else None
 
 
+def _served_by(kind: str, args: tuple):
+    """The implementation graft's selection picks for ``collectives.<kind>(*args)``."""
+    from graft.dispatch import select
+
+    return select(f"collectives.{kind}", *args)
+
+
+def _library_serves(kind: str, args: tuple) -> bool:
+    """True (and counted as served by graft's torch backend) when graft's choice is the library
+    collective: the caller then runs DeepSpeed's own in-place call."""
+    impl = _served_by(kind, args)
+    if impl.backend != REFERENCE_BACKEND:
+        return False
+    count(f"collectives.{kind}")
+    count(f"collectives.{kind}:{impl.backend}")
+    return True
+
+
 def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """The single routing target: one graft collective on a flat tensor, result returned.
 
     ``kind`` is ``all_reduce``, ``all_gather`` or ``reduce_scatter`` (graft op names).
     """
-    from graft.dispatch import select
     from graft.ops import collectives
 
     flat = x.reshape(-1)
@@ -93,7 +113,7 @@ def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torc
         raise ValueError(f"unknown collective {kind!r}")
     count(f"collectives.{kind}")
     # Which graft implementation served it (selection is cached; the per-call check is cheap).
-    count(f"collectives.{kind}:{select(f'collectives.{kind}', *args).backend}")
+    count(f"collectives.{kind}:{_served_by(kind, args).backend}")
     return out
 
 
@@ -105,6 +125,8 @@ class GraftTorchBackend(TorchBackend):
         reason = _reduce_reason(name, op) or _unroutable_reason(tensor)
         if reason is not None:
             fallback("all_reduce", reason)
+            return super().all_reduce(tensor, op, group, async_op)
+        if _library_serves("all_reduce", (tensor.reshape(-1), group, name)):
             return super().all_reduce(tensor, op, group, async_op)
         with torch.no_grad():
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
@@ -119,6 +141,9 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("inference_all_reduce", reason)
             return super().inference_all_reduce(tensor, op, group)
+        if _library_serves("all_reduce", (tensor.reshape(-1), group, name)):
+            count("inference_all_reduce")
+            return super().inference_all_reduce(tensor, op, group)
         with torch.no_grad():
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
         count("inference_all_reduce")
@@ -128,6 +153,8 @@ class GraftTorchBackend(TorchBackend):
         reason = _unroutable_reason(output_tensor, input_tensor)
         if reason is not None:
             fallback("all_gather_into_tensor", reason)
+            return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+        if _library_serves("all_gather", (input_tensor.reshape(-1), group)):
             return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
         with torch.no_grad():
             output_tensor.copy_(graft_collective("all_gather", input_tensor, group).view(output_tensor.shape))
@@ -139,6 +166,8 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("reduce_scatter_tensor", reason)
             return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+        if _library_serves("reduce_scatter", (input_tensor.reshape(-1), group, name)):
+            return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
         with torch.no_grad():
             output_tensor.copy_(graft_collective("reduce_scatter", input_tensor, group, name).view(output_tensor.shape))
         return _done(async_op)
@@ -149,6 +178,8 @@ class GraftTorchBackend(TorchBackend):
         reason = reason or _unroutable_reason(tensor)
         if reason is not None:
             fallback("all_gather", reason)
+            return super().all_gather(tensor_list, tensor, group, async_op)
+        if _library_serves("all_gather", (tensor.reshape(-1), group)):
             return super().all_gather(tensor_list, tensor, group, async_op)
         with torch.no_grad():
             gathered = graft_collective("all_gather", tensor, group).view(len(tensor_list), *tensor.shape)
