@@ -37,7 +37,10 @@ def launch(sections, world: int, out: Path, quick: bool, timeout: float, env: di
     procs, logs = [], []
     for rank in range(world):
         rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                        # DeepSpeed's CPU accelerator otherwise counts NUMA nodes with a subprocess
+                        # on every device_count() call (each ZeRO-3 step): noise for both sides.
+                        LOCAL_SIZE=str(world))
         cmd = [sys.executable, "-m", "graft.bench.distributed", "--sections", ",".join(sections), "--out", str(out)]
         if quick:
             cmd.append("--quick")
