@@ -288,6 +288,12 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
                                        rtol=1e-5, atol=1e-6, msg=f"rank {rank} ZeRO-{stage} losses differ")
             calls = g["calls"][stage]
             assert calls.get("fused.adam_step", 0) > 0, (stage, calls)
+            # Every Adam tensor counted under the backend that served it; FusedAdam's step is
+            # one multi-tensor call per step (one parameter group), not one per tensor.
+            served = sum(n for k, n in calls.items() if k.startswith("fused.adam_step:"))
+            assert served == calls["fused.adam_step"], (stage, calls)
+            if stage != "2off":
+                assert calls.get("fused_adam.multi_tensor_adam") == 4, (stage, calls)
             assert calls.get("collectives.all_reduce", 0) + calls.get("collectives.reduce_scatter", 0) > 0, (stage, calls)
         assert g["calls"]["2off"].get("cpu_adam.adam_update", 0) > 0, g["calls"]["2off"]
         # ZeRO-3 gathers partitioned parameters for every forward: graft served those gathers.
