@@ -9,7 +9,6 @@ to the framework's own code.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -43,10 +42,13 @@ class FrameworkIntegration:
 
     def status(self) -> tuple[bool, str]:
         """(can activate, why) without activating."""
-        if "all" in config.split_list(os.environ.get("GRAFT_DISABLE")):
+        if "all" in config.split_list(config.current().get("GRAFT_DISABLE")):
             return False, "GRAFT_DISABLE=all"
         if self.env_var and not config.parse_bool(self.env_var, True):
             return False, f"{self.env_var}=0"
+        invalid = _invalid_config()
+        if invalid:
+            return False, f"graft's configuration is invalid: {invalid}"
         version = self.installed_version()
         if version is None:
             return False, f"{self.distribution} is not installed"
@@ -67,6 +69,19 @@ class FrameworkIntegration:
         if not ok and ("outside" in why or "valid version" in why):
             raise GraftError(f"graft's {self.name} integration does not support this version: {why}")
         return version
+
+
+def _invalid_config() -> str | None:
+    """Why the GRAFT_* selection variables are invalid (every graft op would raise), or None."""
+    from graft.errors import GraftConfigError
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    try:
+        config.load_settings(registry.backends(), registry.families())
+    except GraftConfigError as exc:
+        return str(exc)
+    return None
 
 
 def integrations() -> list:
@@ -101,6 +116,18 @@ class CallCounter:
         self._logged: set = set()
         _counters[framework] = self
 
+    def served(self, op: str, backend: str, n: int = 1) -> None:
+        """Count a call graft served: key ``"<op>:<backend>"``."""
+        self.count(f"{op}:{backend}", n)
+
+    def served_calls(self) -> dict:
+        """``{"<op>:<backend>": n}`` for the calls graft served (fallbacks excluded)."""
+        return {k: v for k, v in self.calls.items() if ":" in k and not k.startswith("fallback.")}
+
+    def fallbacks(self) -> dict:
+        """``{"<what>": n}`` for the calls left to the framework's own code."""
+        return {k[len("fallback."):]: v for k, v in self.calls.items() if k.startswith("fallback.")}
+
     def count(self, key: str, n: int = 1) -> None:
         if torch.compiler.is_compiling():
             torch.ops.graft.integration_count(self.framework, key, n)
@@ -118,6 +145,16 @@ class CallCounter:
         """Forget counts and which reasons were logged (tests use this)."""
         self.calls.clear()
         self._logged.clear()
+
+
+def served_calls(framework: str | None = None) -> dict:
+    """What graft served per framework: ``{framework: {"op:backend": n}}`` (or one framework's dict).
+
+    Counters exist for the integrations whose module was imported in this process."""
+    if framework is not None:
+        counter = _counters.get(framework)
+        return {} if counter is None else counter.served_calls()
+    return {name: counter.served_calls() for name, counter in sorted(_counters.items())}
 
 
 def _record(framework: str, key: str, n: int) -> None:

@@ -69,7 +69,7 @@ class PluginHost:
             self.load_entry_points()
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        blocked = set(config.split_list(os.environ.get("GRAFT_DISABLE_PLUGINS")))
+        blocked = set(config.split_list(config.current().get("GRAFT_DISABLE_PLUGINS")))
         for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
             if ep.name in self.records:
                 continue  # the same name installed twice: first one wins
@@ -201,4 +201,5 @@ def reset() -> None:
 
     with _host_lock:
         _host = None
+    config.reload()
     selection.reset_caches()
