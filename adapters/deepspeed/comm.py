@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
 
-from graft.adapters.deepspeed.stats import count, fallback
+from graft.adapters.deepspeed.stats import count, fallback, served
 from graft.config import REFERENCE_BACKEND
 
 # The dtypes graft's collectives ops are specified for.
@@ -74,21 +74,16 @@ def _reduce_reason(name, op) -> str | None:
     return f"reduce op {op}" if name is None else None
 
 
-def _served_by(kind: str, args: tuple):
-    """The implementation graft's selection picks for ``collectives.<kind>(*args)``."""
+def _library_serves(kind: str, args: tuple) -> bool:
+    """True (and counted as served by graft's torch backend) when graft's choice for
+    ``collectives.<kind>(*args)`` is the library collective: the caller then runs DeepSpeed's
+    own in-place call."""
     from graft.dispatch import select
 
-    return select(f"collectives.{kind}", *args)
-
-
-def _library_serves(kind: str, args: tuple) -> bool:
-    """True (and counted as served by graft's torch backend) when graft's choice is the library
-    collective: the caller then runs DeepSpeed's own in-place call."""
-    impl = _served_by(kind, args)
+    impl = select(f"collectives.{kind}", *args)
     if impl.backend != REFERENCE_BACKEND:
         return False
-    count(f"collectives.{kind}")
-    count(f"collectives.{kind}:{impl.backend}")
+    served(f"collectives.{kind}", impl.backend)
     return True
 
 
@@ -97,23 +92,17 @@ def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torc
 
     ``kind`` is ``all_reduce``, ``all_gather`` or ``reduce_scatter`` (graft op names).
     """
-    from graft.ops import collectives
+    from graft.dispatch import run
 
     flat = x.reshape(-1)
-    if kind == "all_reduce":
+    if kind in ("all_reduce", "reduce_scatter"):
         args = (flat, group, op)
-        out = collectives.all_reduce(*args)
     elif kind == "all_gather":
         args = (flat, group)
-        out = collectives.all_gather(*args)
-    elif kind == "reduce_scatter":
-        args = (flat, group, op)
-        out = collectives.reduce_scatter(*args)
     else:
         raise ValueError(f"unknown collective {kind!r}")
-    count(f"collectives.{kind}")
-    # Which graft implementation served it (selection is cached; the per-call check is cheap).
-    count(f"collectives.{kind}:{_served_by(kind, args).backend}")
+    out, impl = run(f"collectives.{kind}", *args)
+    served(f"collectives.{kind}", impl.backend)
     return out
 
 

@@ -20,4 +20,4 @@ reset = counter.reset
 def served(op: str, backend: str, n: int = 1) -> None:
     """Count ``n`` calls of ``op`` that graft served, under ``op`` and ``"<op>:<backend>"``."""
     count(op, n)
-    count(f"{op}:{backend}", n)
+    counter.served(op, backend, n)

@@ -27,7 +27,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
-from graft.adapters.megatron.stats import fallback
+from graft.adapters.megatron.stats import counter, fallback
 
 # ---------------------------------------------------------------------------- linear layers
 
@@ -36,6 +36,16 @@ def graft_linear(x, weight, bias=None):
     from graft.ops import gemm
 
     return call_with_reference_grad("gemm.linear", gemm.linear, gemm.linear_reference, x, weight, bias)
+
+
+def _linear_no_grad(x, weight, bias=None):
+    """The forward of a linear whose gradients another autograd function computes: one
+    ``gemm.linear`` dispatch, counted under the implementation that served it."""
+    from graft.dispatch import run
+
+    out, impl = run("gemm.linear", x, weight, bias)
+    counter.served("gemm.linear", impl.backend)
+    return out
 
 
 def _megatron_gemm_reason(kwargs) -> str | None:
@@ -68,7 +78,7 @@ class _GraftLocalGemm:
         if kwargs.get("allreduce_dgrad") and torch.is_grad_enabled():
             from graft.adapters.megatron.linear_tp import linear_allreduce_dgrad
 
-            return linear_allreduce_dgrad(graft_linear, input, weight, bias, kwargs.get("tp_group"))
+            return linear_allreduce_dgrad(_linear_no_grad, input, weight, bias, kwargs.get("tp_group"))
         return graft_linear(input, weight, bias)
 
 
