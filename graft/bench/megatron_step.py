@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from graft.bench.timing import interleaved, ratio
+from graft.bench.timing import interleaved
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ, BATCH = 64, 4, 2, 96, 2, 96, 32, 2
 
@@ -89,6 +89,8 @@ def train_step(model, mask, tokens, positions, labels) -> float:
 
 
 def measure(tps, rounds: int, progress=print) -> list:
+    import torch.distributed as dist
+
     from graft.adapters.megatron import stats
 
     tokens, positions, labels, mask = batch()
@@ -100,10 +102,10 @@ def measure(tps, rounds: int, progress=print) -> list:
             steps = {"local": lambda: losses["local"].append(train_step(local, mask, tokens, positions, labels)),
                      "graft": lambda: losses["graft"].append(train_step(grafted, None, tokens, positions, labels))}
             before = dict(stats.calls)
-            times = interleaved(steps, rounds=rounds)
+            times = interleaved(steps, rounds=rounds, sync=dist.barrier)
             calls = {k: v - before.get(k, 0) for k, v in stats.calls.items() if v != before.get(k, 0)}
         row = {"tp": tp, "local_ms": times["local"] * 1e3, "graft_ms": times["graft"] * 1e3,
-               "ratio": ratio(times["graft"], times["local"]), "served": calls,
+               "ratio": times.ratio("graft", "local"), "served": calls,
                "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses["local"]))}
         progress(f"  megatron GPTModel TP{tp} step: local spec {row['local_ms']:7.2f} ms, graft spec "
                  f"{row['graft_ms']:7.2f} ms -> {row['ratio']:.2f}x")

@@ -41,7 +41,8 @@ def measure(rounds: int, inner: int, progress=print, only=None) -> list:
                              "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner)
         row = {"op": op, "case": case.name, "dtype": str(dtype).replace("torch.", ""), "backend": impl.backend,
                "direct_us": times["direct"] * 1e6, "graft_us": times["graft"] * 1e6,
-               "overhead_us": (times["graft"] - times["direct"]) * 1e6}
+               # per-round differences (each pair back to back), median
+               "overhead_us": times.difference("graft", "direct") * 1e6}
         progress(f"  {op:28s} {row['backend']:7s} direct {row['direct_us']:9.1f} us  graft {row['graft_us']:9.1f} us"
                  f"  overhead {row['overhead_us']:+7.1f} us")
         rows.append(row)
