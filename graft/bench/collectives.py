@@ -27,7 +27,7 @@ def measure(numel: int, rounds: int, inner: int, progress=print) -> list:
                             inner=inner, sync=dist.barrier)
         row = {"op": op, "numel": x.numel(), "world": world, "library_us": times["library"] * 1e6,
                "graft_us": times["graft"] * 1e6, "ratio": times.ratio("graft", "library")}
-        progress(f"  {op:26s} {x.numel()} fp32 x {world} ranks: torch.distributed {row['library_us']:8.1f} us, "
+        progress(f"  {op:32s} {x.numel()} fp32 x {world} ranks: torch.distributed {row['library_us']:8.1f} us, "
                  f"graft {row['graft_us']:8.1f} us -> {row['ratio']:.2f}x")
         rows.append(row)
     return rows

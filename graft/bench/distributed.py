@@ -112,7 +112,12 @@ def main(argv=None) -> int:
             if section == "collectives":
                 from graft.bench import collectives
 
+                from graft.bench import ops
+
                 results[section] = collectives.measure(20_000, rounds=15 if quick else 50, inner=10, progress=progress)
+                progress("  dispatch cost per collective op (graft.call vs the selected implementation):")
+                results["collective_ops"] = ops.measure(rounds=15 if quick else 50, inner=10, progress=progress,
+                                                        collectives=True, sync=dist.barrier)
             elif section == "deepspeed":
                 from graft.bench import deepspeed_step
 

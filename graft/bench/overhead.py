@@ -125,6 +125,8 @@ def run(args) -> int:
             ranks = launch(dist_sections, 2, Path(tmp) / "bench", quick, args.timeout, dict(os.environ))
         for section in dist_sections:
             results[section] = ranks[0].get(section, {"error": ranks[0].get("error", "no result")})
+        if "collective_ops" in ranks[0]:  # per-op dispatch rows of the collectives, measured on 2 ranks
+            results.setdefault("ops", []).extend(ranks[0]["collective_ops"])
         results["rank_seconds"] = ranks[0].get("seconds", {})
     results["seconds"] = time.perf_counter() - started
     results["summary"] = summarize(results)
