@@ -93,8 +93,7 @@ def _choose(op: str, plan: _Plan, args, kwargs) -> Implementation:
     if plan.error is not None:
         raise plan.error
     for impl in plan.impls:
-        check = impl.check
-        reason = None if check is None else check(*args, **kwargs)
+        reason = None if impl.check is None else impl.call_reason(args, kwargs)
         if reason is None:
             if plan.strict:
                 selection.check_missing(op, plan.source, plan.requested, plan.missing, impl.backend)
@@ -162,9 +161,58 @@ def run(op: str, *args, **kwargs):
     if impl is None:
         impl = _choose(op, plan, args, kwargs)
     try:
-        return impl.fn(*args, **kwargs), impl
+        out = impl.fn(*args, **kwargs)
     except GraftUnsupportedError as exc:
         return _fall_back(op, impl, exc, args, kwargs)
+    if plan.strict and impl.backend != config.REFERENCE_BACKEND:
+        verify_output(spec, impl, out, args, kwargs)
+    return out, impl
+
+
+def _expected_output(spec, args, kwargs):
+    """The reference's output shapes and dtypes for these arguments, computed on fake
+    tensors (no real work), or None when the reference cannot run on fake tensors (it
+    reads values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            return spec.reference(*tree_map(fake, args), **tree_map(fake, kwargs))
+    except Exception:
+        return None
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _same_meta(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+    if isinstance(want, (tuple, list)):
+        return (isinstance(got, (tuple, list)) and len(got) == len(want)
+                and all(_same_meta(g, w) for g, w in zip(got, want)))
+    return (got is None) == (want is None)
+
+
+def verify_output(spec, impl: Implementation, out, args, kwargs) -> None:
+    """Raise GraftError when ``out`` does not have the shapes and dtypes the op's reference
+    gives for these arguments (GRAFT_STRICT=1 and conformance check every implementation)."""
+    from graft.errors import GraftError
+
+    want = _expected_output(spec, args, kwargs)
+    if want is None or _same_meta(out, want):
+        return
+    raise GraftError(
+        f"{spec.name}: {impl.backend} ({impl.provider}) returned {_describe(out)}, but the op's reference "
+        f"gives {_describe(want)} for these arguments; the implementation is wrong"
+    )
 
 
 def call(op: str, *args, **kwargs):

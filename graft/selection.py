@@ -177,7 +177,7 @@ def decide(
     for cand in static:
         reason = cand.reason
         if reason is None and args is not None and cand.impl.check is not None:
-            reason = cand.impl.check(*args, **(kwargs or {}))
+            reason = cand.impl.call_reason(args, kwargs or {})
         candidates.append(Candidate(cand.impl, reason))
         if reason is None and selected is None:
             selected = cand.impl
