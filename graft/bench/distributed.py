@@ -121,12 +121,12 @@ def main(argv=None) -> int:
             elif section == "deepspeed":
                 from graft.bench import deepspeed_step
 
-                results[section] = deepspeed_step.measure(deepspeed_step.RUNS, rounds=12 if quick else 40,
+                results[section] = deepspeed_step.measure(deepspeed_step.RUNS, rounds=20 if quick else 60,
                                                           progress=progress)
             elif section == "megatron":
                 from graft.bench import megatron_step
 
-                results[section] = megatron_step.measure((1, 2), rounds=12 if quick else 40, progress=progress)
+                results[section] = megatron_step.measure((1, 2), rounds=20 if quick else 60, progress=progress)
         except Exception as exc:  # a section that fails is reported, the others still run
             results[section] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             progress(f"  {section}: failed: {type(exc).__name__}: {exc}")
