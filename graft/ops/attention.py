@@ -35,12 +35,20 @@ softmax_scale=None, num_splits=0)``: one query token per sequence.
 * ``seq_lens`` (int32, ``[num_seqs]``) is each context's length including the current
   token; ``0`` gives a zero output row.
 * ``num_splits`` only changes how an implementation partitions the work (split-K /
-  flash-decoding); ``0`` lets it choose. Results must not depend on it beyond rounding.
+  flash-decoding); ``0`` lets it choose, a forced count is capped (Triton: 64 splits).
+  Results must not depend on it beyond rounding.
+* Out-of-range values never reach memory, whatever the value-check settings: with the
+  checks on they are a ``GraftInputError`` (below); with them off (``GRAFT_CHECK_VALUES=0``,
+  tracing, CUDA graphs) a ``seq_len`` outside ``[0, capacity]`` is clamped into it and the
+  tokens of a used block-table entry outside ``[0, num_blocks)`` are skipped (they take
+  no part in the softmax; a row with no valid token outputs zeros). The reference
+  defines the same results.
 
 Validation (``GraftInputError``) checks dtypes, ranks, shapes, GQA divisibility, index
 dtypes and devices from metadata, and reads ``cu_seqlens_*`` / ``seq_lens`` back from the
 device for the value checks (start at 0, non-decreasing, totals, ``max_seqlen`` bounds,
-``0 <= seq_len <= block-table capacity``). Those value checks are skipped while tracing
+``0 <= seq_len <= block-table capacity``, the used block-table entries in
+``[0, num_blocks)``). Those value checks are skipped while tracing
 (``torch.compile``, fake/meta tensors) and during CUDA-graph capture, where reading device
 memory is impossible. No input needs to be contiguous: the Triton kernels take strides.
 """
@@ -104,14 +112,21 @@ def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
+        n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
         if n == 0:
             continue
         blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        # Tokens of a table entry outside [0, num_blocks) are skipped (see the module doc).
+        ok = ((blocks >= 0) & (blocks < num_blocks)).repeat_interleave(block_size)[:n]
+        blocks = blocks.clamp(0, max(num_blocks - 1, 0))
+        if not bool(ok.any()):
+            continue
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
         out[s] = _attend(query[s : s + 1], k, v, scale, causal=False)[0].to(query.dtype)
     return out
 
@@ -223,6 +238,17 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
         if lo < 0 or hi > capacity:
             raise GraftInputError(
                 f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
+            )
+        # The block-table entries the lengths use must name physical blocks of the caches.
+        used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
+            (seq_lens.long() + block_size - 1) // block_size
+        )[:, None]
+        num_blocks = key_cache.shape[0]
+        bad = block_tables[used & ((block_tables < 0) | (block_tables >= num_blocks))]
+        if bad.numel():
+            raise GraftInputError(
+                f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
+                f"got {int(bad[0])} ({bad.numel()} such entries)"
             )
 
 

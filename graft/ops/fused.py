@@ -13,7 +13,10 @@ Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
   token's position. ``cos_sin_cache[pos] = [cos(theta_0..), sin(theta_0..)]`` (each
   half ``rot_dim/2`` wide). Neox style rotates the two halves of the rotary part;
   GPT-J style rotates interleaved (even, odd) pairs. Features past ``rot_dim`` pass
-  through (partial rotary). Functional: returns new ``(q_out, k_out)``.
+  through (partial rotary). Functional: returns new ``(q_out, k_out)``. A position
+  outside ``[0, max_position)`` is a ``GraftInputError`` with the value checks on; with
+  them off (``GRAFT_CHECK_VALUES=0``, tracing, CUDA graphs) its token passes through
+  unrotated (cos 1, sin 0) in every backend: no kernel reads outside the cache.
 
 All three compute in fp32 and round once to the input dtype.
 """
@@ -26,7 +29,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -73,8 +76,13 @@ def _rotate_reference(x, cos, sin, head_size, is_neox):
 
 
 def rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neox=True):
-    cos_sin = cos_sin_cache.float().index_select(0, positions.reshape(-1))
+    pos = positions.reshape(-1).long()
+    # Positions outside [0, max_position) (value checks off) leave their token unrotated.
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    cos_sin = cos_sin_cache.float().index_select(0, torch.where(ok, pos, 0))
     cos, sin = cos_sin.chunk(2, dim=-1)
+    cos = torch.where(ok[:, None], cos, 1.0)
+    sin = torch.where(ok[:, None], sin, 0.0)
     q_out = _rotate_reference(q, cos, sin, head_size, is_neox)
     k_out = None if k is None else _rotate_reference(k, cos, sin, head_size, is_neox)
     return q_out, k_out
@@ -107,8 +115,8 @@ def validate_rms_norm(x, weight, eps=1e-6, residual=None):
         raise GraftInputError(
             f"fused.rms_norm: weight must be 1-D of size hidden={hidden} (x's last dim), got shape {tuple(weight.shape)}"
         )
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise GraftInputError(f"fused.rms_norm: eps must be a non-negative float, got {eps!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:  # NaN fails >= 0
+        raise GraftInputError(f"fused.rms_norm: eps must be a non-negative float (not NaN), got {eps!r}")
     if residual is not None:
         check_tensor("fused.rms_norm: residual", residual, dtypes=(x.dtype,))
         if residual.shape != x.shape:
@@ -168,6 +176,14 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
     if not isinstance(is_neox, bool):
         raise GraftInputError(f"fused.rotary_embedding: is_neox must be a bool, got {is_neox!r}")
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+    if can_read_values(positions):
+        max_position = cos_sin_cache.shape[0]
+        bad = positions[(positions < 0) | (positions >= max_position)]
+        if bad.numel():
+            raise GraftInputError(
+                f"fused.rotary_embedding: positions must lie in [0, max_position = {max_position}) "
+                f"(cos_sin_cache rows), got {int(bad[0])} ({bad.numel()} such positions)"
+            )
 
 
 # --------------------------------------------------------------------------- public entry points

@@ -60,7 +60,7 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps,
 def _check_number(name, value, low, high, *, high_open=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GraftInputError(f"{OP}: {name} must be a number, got {type(value).__name__}")
-    if value < low or value > high or (high_open and value == high):
+    if not low <= value <= high or (high_open and value == high):  # NaN fails every comparison
         bound = ")" if high_open else "]"
         raise GraftInputError(f"{OP}: {name} must be in [{low}, {high}{bound}, got {value}")
 

@@ -44,6 +44,12 @@ TILES = {
 
 
 @triton.jit
+def _i64(x):
+    """x as int64 (a runtime int or one the JIT specialised to the constant 1)."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd, d_ok,
@@ -102,6 +108,12 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # 64-bit strides: every index * stride below is then computed in int64 (a row or head
+    # offset passes 2^31 elements on long packed batches, e.g. ~350k tokens of a fused-QKV view).
+    stride_qt, stride_qh, stride_qd = _i64(stride_qt), _i64(stride_qh), _i64(stride_qd)
+    stride_kt, stride_kh, stride_kd = _i64(stride_kt), _i64(stride_kh), _i64(stride_kd)
+    stride_vt, stride_vh, stride_vd = _i64(stride_vt), _i64(stride_vh), _i64(stride_vd)
+    stride_ot, stride_oh, stride_od = _i64(stride_ot), _i64(stride_oh), _i64(stride_od)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -250,11 +262,13 @@ def _aot_variants():
     ints = dict(CuSeqlensQ="*i32", CuSeqlensK="*i32", qk_scale="fp32")
     for target, base in per_target(TILES):
         for name, dtype, causal, block_d in (("fp16", torch.float16, True, 128), ("bf16", torch.bfloat16, False, 128),
-                                             ("fp32", torch.float32, True, 64), ("bf16", torch.bfloat16, True, 256)):
+                                             ("fp32", torch.float32, True, 64), ("bf16", torch.bfloat16, True, 256),
+                                             ("fp32", torch.float32, False, 256), ("fp16", torch.float16, False, 64)):
             blocks, options = split_tiles(_fit_gpu_tiles(base, block_d, dtype))
             flags = dict(GROUP=4, CAUSAL=causal, BLOCK_D=block_d, UPCAST=False,
                          PRECISION="ieee", **blocks)
-            yield variant(_prefill_kernel, flags, pointer=f"*{name}", options=options, targets=(target,), **ints)
+            yield variant(_prefill_kernel, flags, pointer=f"*{name}", options=options, targets=(target,),
+                          values=dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1), **ints)
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -19,16 +19,20 @@ from graft.kernels.triton._common import on_device, triton_implementation
 @triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-    num_q_heads, num_k_heads, q_stride, k_stride, cache_stride, head_size, half,
+    num_q_heads, num_k_heads, q_stride, k_stride, cache_stride, head_size, half, max_position,
     IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     m = i < half
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * cache_stride + half + i, mask=m, other=0.0).to(tl.float32)
+    # A position outside [0, max_position) reads no cache row: cos 1, sin 0 leave the
+    # token unrotated (the reference's definition), whatever the value checks are set to.
+    pos = tl.full([BLOCK_HALF], 0, tl.int64) + tl.load(pos_ptr + t).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_position)
+    row = cache_ptr + tl.where(pos_ok, pos, 0) * cache_stride
+    cos = tl.load(row + i, mask=m & pos_ok, other=1.0).to(tl.float32)
+    sin = tl.load(row + half + i, mask=m & pos_ok, other=0.0).to(tl.float32)
     if h < num_q_heads:
         src = q_ptr + t * q_stride + h * head_size
         dst = q_out_ptr + (t * num_q_heads + h) * head_size
@@ -76,7 +80,7 @@ def _rotary(
     with on_device(q):
         _rotary_kernel[(tokens, num_q_heads + num_k_heads)](
             positions.reshape(-1), q2, k2, cache, q_out, k_out,
-            num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half,
+            num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half, cache.shape[0],
             IS_NEOX=is_neox,
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(rest) if rest > 0 else 0,

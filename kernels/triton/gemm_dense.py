@@ -79,13 +79,21 @@ def _linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def fit_fp32(cfg: dict, dtype, device) -> dict:
+    """4-byte tiles on a GPU: at most 3 stages (128x128x64 fp32 in 4 stages needs 262,144 B
+    of shared memory, above the 232,448 B a Hopper block may use)."""
+    if dtype == torch.float32 and torch.device(device).type == "cuda":
+        cfg = dict(cfg, num_stages=min(cfg["num_stages"], 3))
+    return cfg
+
+
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = pick_tiles(TILES, m, x.device)
+    cfg = fit_fp32(pick_tiles(TILES, m, x.device), x.dtype, x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(x):
         _linear_kernel[grid](
@@ -133,7 +141,8 @@ def _aot_variants():
             cases += [("fp16", "gelu", "ieee"), ("fp32", "gelu", "ieee"), ("fp32", "gelu", "tf32")]
             for dtype, act, precision in dict.fromkeys(cases):
                 flags = dict(HAS_BIAS=True, ACTIVATION=act, UPCAST=False, PRECISION=precision, **blocks)
-                yield variant(_linear_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,))
+                fitted = fit_fp32(options, torch.float32, "cuda") if dtype == "fp32" else options
+                yield variant(_linear_kernel, flags, pointer=f"*{dtype}", options=fitted, targets=(target,))
 
 
 AOT_VARIANTS = list(_aot_variants())

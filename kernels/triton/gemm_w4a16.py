@@ -90,7 +90,11 @@ def _w4a16_kernel(
         if UPCAST:  # widen x first so the dequantized tile is built in fp32 too, never in interpreted bf16
             a = a.to(tl.float32)
         w = (q - zero[None, :]).to(a.dtype)  # small integers: exact in every float dtype
-        acc += dot_f32(a, w, UPCAST, PRECISION) * scale[None, :]
+        # A non-finite scale must give what (q - zero) * scale gives the reference (0 * inf =
+        # NaN), not dot * inf: fold such a column's scale into the tile; others stay outside.
+        finite = tl.abs(scale) < float("inf")
+        w = tl.where(finite[None, :], w, w.to(tl.float32) * scale[None, :]).to(a.dtype)
+        acc += dot_f32(a, w, UPCAST, PRECISION) * tl.where(finite, scale, 1.0)[None, :]
         x_ptrs += BLOCK_K * stride_xk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -28,6 +28,7 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
+from graft.platform import device_info, is_rocm, triton_interpret
 from graft.kernels.triton.moe_align import align_block_size_launch
 
 OP = "moe.fused_experts"
@@ -111,6 +112,7 @@ def _down_kernel(
     stride_as, stride_ai, stride_we, stride_wh, stride_wi, stride_os, stride_oh, stride_rt, stride_rk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,  # see graft.kernels.triton._dot
+    ACT_F32: tl.constexpr = False,  # fp32 activations (fp16 inputs): w is widened to match
 ):
     pid = tl.program_id(0)
     pid_m = pid // num_n_tiles
@@ -129,6 +131,8 @@ def _down_kernel(
         k_ok = ks < inter
         a = tl.load(a_rows + ks[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if ACT_F32:
+            w = w.to(tl.float32)
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
@@ -137,13 +141,19 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(slot_out_ptr, out_ptr, hidden_size, top_k, stride_ot, stride_oh, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    slot_out_ptr, out_ptr, ids_ptr, hidden_size, top_k, num_experts, stride_ot, stride_oh, stride_it, stride_ik,
+    BLOCK_H: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden_size
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(top_k):  # fixed slot order: deterministic, no atomics
-        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok, other=0.0)
+        # A skipped id (-1: another rank's expert; out of range) has no slot row: it adds nothing.
+        expert = tl.full([BLOCK_H], 0, tl.int32) + tl.load(ids_ptr + token * stride_it + j * stride_ik)
+        used = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0)
     tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -161,6 +171,13 @@ def _fit_gpu_tiles(cfg: dict, dtype: torch.dtype) -> dict:
         cfg["BLOCK_K"] = max(32, cfg["BLOCK_K"] // 2)
         cfg["num_stages"] = min(cfg["num_stages"], 3)
     return cfg
+
+
+def tf32_or_ieee(device) -> str:
+    """GEMM 2's precision for fp32 activations of fp16 inputs: TF32 where the GPU has it."""
+    if triton_interpret() or (is_rocm() and device_info(device).arch != "gfx942"):
+        return "ieee"
+    return "tf32"
 
 
 def _fused_experts(
@@ -185,7 +202,10 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
     max_blocks = expert_ids.numel()
-    act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=device)
+    # fp16 activations overflow (silu(g) * u past 65504) where the fp32 reference stays finite:
+    # keep them in fp32 and run GEMM 2 as TF32 (fp16's mantissa, fp32's range).
+    act_f32 = hidden.dtype == torch.float16
+    act = torch.empty((num_slots, inter), dtype=torch.float32 if act_f32 else hidden.dtype, device=device)
     slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
     flags = dict(
         **dot_flags(hidden.dtype, device),
@@ -206,11 +226,13 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
         num_slots, top_k, hidden_size, inter, n_tiles,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         slot_out.stride(0), slot_out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACT_F32=act_f32,
+        **(dict(flags, PRECISION=tf32_or_ieee(device)) if act_f32 else flags),
     )
     block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden_size))
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        slot_out, out, hidden_size, top_k, out.stride(0), out.stride(1), BLOCK_H=block_h,
+        slot_out, out, topk_ids, hidden_size, top_k, num_experts, out.stride(0), out.stride(1),
+        topk_ids.stride(0), topk_ids.stride(1), BLOCK_H=block_h,
     )
     return out
 
@@ -244,12 +266,19 @@ def _aot_variants():
         for size, name in (("large", "bf16"), ("small", "fp16"), ("large", "fp32"), ("small", "bf16")):
             blocks, options = split_tiles(_fit_gpu_tiles(table[size], dtypes[name]))
             flags = dict(UPCAST=False, PRECISION="ieee", BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"])
+            act = {"act_ptr": "*fp32"} if name == "fp16" else {}
             yield variant(_gate_up_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer=f"*{name}",
-                          options=options, targets=(target,), **routing)
-            yield variant(_down_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer=f"*{name}", options=options,
-                          targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                          options=options, targets=(target,), **routing, **act)
+            down = dict(flags, BLOCK_N=blocks["BLOCK_N"])
+            if name == "fp16":  # fp32 activations, TF32 GEMM 2 (see _launch)
+                yield variant(_down_kernel, dict(down, ACT_F32=True, PRECISION="tf32"), pointer="*fp16",
+                              options=options, targets=(target,), act_ptr="*fp32", slot_out_ptr="*fp32",
+                              weights_ptr="*fp32", **routing)
+            else:
+                yield variant(_down_kernel, down, pointer=f"*{name}", options=options,
+                              targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
     for name, block_h in (("bf16", COMBINE_BLOCK_H), ("fp32", 64)):
-        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32")
+        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32", ids_ptr="*i32")
 
 
 AOT_VARIANTS = list(_aot_variants())
