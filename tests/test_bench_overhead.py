@@ -2,7 +2,6 @@
 and writes the JSON the full run writes; bad section names are usage errors."""
 import json
 
-
 from graft.cli import main
 
 
