@@ -40,6 +40,9 @@ def main():
                 result["grad_diff"][name] = max(diff, result["grad_diff"].get(name, 0.0))
                 p.grad = q.grad = None
         result["calls"] = dict(stats.calls)
+        import graft
+
+        result["served"] = graft.served_calls("megatron")  # the public view of the same counters
     with open(f"{args.out}.rank{dist.get_rank()}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

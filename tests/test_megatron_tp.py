@@ -60,3 +60,4 @@ def test_gpt_model_tp2_served_and_matches_local(tmp_path):
         assert calls.get("fused.rms_norm:torch") == 2 * 2 * 2, calls
         assert calls.get("attention.prefill:torch") == 2 * 2, calls
         assert not [k for k in calls if k.startswith("fallback.")], calls
+        assert result["served"] == calls, (result["served"], calls)
