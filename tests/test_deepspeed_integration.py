@@ -186,6 +186,26 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert ds_comm.TorchBackend is TorchBackend
 
 
+def test_deactivate_restores_a_backend_built_while_active(ds_graft, monkeypatch):
+    """init_distributed() during activation builds graft's backend; deactivate() (which the
+    bench uses between steps) must give DeepSpeed its own collectives back, and activate() graft's."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    monkeypatch.setattr(ds_comm, "cdb", None)
+    assert ds_graft.activate()
+    ds_comm.cdb = ds_comm.TorchBackend.__new__(ds_comm.TorchBackend)  # what init_distributed() builds
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+    assert ds_graft.activate()
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+
+
 def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
     """Collectives graft does not serve go to torch.distributed, counted, each reason logged once."""
     import logging
