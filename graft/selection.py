@@ -234,7 +234,9 @@ def explain(registry: Registry, op: str, device=None, dtype=None, arch=None) -> 
 
 
 def reset_caches() -> None:
-    """Forget cached decisions and which messages were logged (tests use this)."""
+    """Forget cached decisions and which messages were logged, and read the GRAFT_*
+    variables again (tests, and code that changed os.environ, use this)."""
+    config.reload()
     _static_cache.clear()
     _settings_cache.clear()
     _logged.clear()

@@ -243,6 +243,42 @@ def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
     ], logged
 
 
+def test_comm_routes_async_calls_with_real_handles(ds_graft):
+    """async_op passes through graft: the caller gets a handle whose wait() completes the call,
+    results land in DeepSpeed's tensors, and each routed call is counted with its backend."""
+    import torch.distributed as dist
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        backend = GraftTorchBackend.__new__(GraftTorchBackend)
+        before = dict(ds_graft.calls)
+        t = torch.arange(6.0)
+        handle = backend.all_reduce(t, async_op=True)
+        assert handle is not None and handle.wait() and handle.is_completed()
+        assert t.tolist() == list(range(6))
+        out = torch.empty(6)
+        backend.all_gather_into_tensor(out, torch.arange(6.0).view(2, 3), async_op=True).wait()
+        assert out.tolist() == list(range(6))
+        rs = torch.empty(2, 3)
+        backend.reduce_scatter_tensor(rs, torch.arange(6.0).view(2, 3), async_op=True).wait()
+        assert rs.view(-1).tolist() == list(range(6))
+        lst = [torch.empty(3)]
+        backend.all_gather(lst, torch.tensor([1.0, 2.0, 3.0]), async_op=True).wait()
+        assert lst[0].tolist() == [1.0, 2.0, 3.0]
+        assert backend.all_reduce(torch.ones(2)) is None  # synchronous calls return None, as torch's
+    finally:
+        if created:
+            dist.destroy_process_group()
+    delta = {k: v - before.get(k, 0) for k, v in ds_graft.calls.items() if v != before.get(k, 0)}
+    assert delta == {"collectives.all_reduce": 2, "collectives.all_reduce:torch": 2,
+                     "collectives.all_gather": 2, "collectives.all_gather:torch": 2,
+                     "collectives.reduce_scatter": 1, "collectives.reduce_scatter:torch": 1}, delta
+
+
 # ------------------------------------------------------------------ ZeRO 1-3 on 2 gloo ranks
 
 

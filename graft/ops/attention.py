@@ -62,7 +62,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -170,7 +170,25 @@ def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total):
         raise GraftInputError(f"{op}: a sequence has {longest} tokens but the max_seqlen given for {name} is {max_seqlen}")
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    # Fast path (value checks off, as on GPUs by default): the common valid call in a few
+    # attribute reads; anything else goes through the full checks below, which name the problem.
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+            and q.dtype in _FLOAT_SET and k.dtype == q.dtype and v.dtype == q.dtype
+            and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+            and q.ndim == 3 and k.ndim == 3 and cu_seqlens_q.ndim == 1 and k.shape == v.shape
+            and q.shape[2] == k.shape[2] and k.shape[1] and not q.shape[1] % k.shape[1]
+            and cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0] and cu_seqlens_q.shape[0] >= 1
+            and cu_seqlens_k.ndim == 1 and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and max_seqlen_q >= 0 and max_seqlen_k >= 0 and type(causal) is bool
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and k.device == q.device and v.device == q.device and cu_seqlens_q.device == q.device
+            and cu_seqlens_k.device == q.device and not checks_values_on(cu_seqlens_q)):
+        return
     op = "attention.prefill"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(f"{op}: {name}", t, dtypes=FLOAT_DTYPES, ndim=3)
@@ -201,6 +219,21 @@ def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
+    if (isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
+            and isinstance(value_cache, torch.Tensor) and isinstance(block_tables, torch.Tensor)
+            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET and key_cache.dtype == query.dtype
+            and value_cache.dtype == query.dtype and block_tables.dtype == torch.int32
+            and seq_lens.dtype == torch.int32 and query.ndim == 3 and key_cache.ndim == 4
+            and block_tables.ndim == 2 and seq_lens.ndim == 1 and key_cache.shape == value_cache.shape
+            and query.shape[2] == key_cache.shape[3] and key_cache.shape[1] >= 1 and key_cache.shape[2]
+            and not query.shape[1] % key_cache.shape[2] and block_tables.shape[0] == query.shape[0]
+            and seq_lens.shape[0] == query.shape[0] and type(num_splits) is int and num_splits >= 0
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and key_cache.device == query.device and value_cache.device == query.device
+            and block_tables.device == query.device and seq_lens.device == query.device
+            and not checks_values_on(seq_lens)):
+        return
     op = "attention.decode_paged"
     check_tensor(f"{op}: query", query, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)

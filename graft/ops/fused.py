@@ -29,7 +29,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -157,6 +157,18 @@ def _check_heads(name, t, num_tokens, head_size):
 
 
 def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
+    # Fast path (value checks off, as on GPUs by default): 2-D q/k in a few attribute reads;
+    # anything else goes through the full checks below, which name the problem.
+    if (isinstance(positions, torch.Tensor) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(cos_sin_cache, torch.Tensor) and type(head_size) is int and head_size > 0
+            and positions.dtype in (torch.int64, torch.int32) and q.dtype in _FLOAT_SET and k.dtype == q.dtype
+            and cos_sin_cache.dtype in _FLOAT_SET and q.ndim == 2 and k.ndim == 2 and cos_sin_cache.ndim == 2
+            and q.shape[0] == positions.numel() and k.shape[0] == q.shape[0]
+            and not q.shape[1] % head_size and not k.shape[1] % head_size
+            and 0 < cos_sin_cache.shape[1] <= head_size and not cos_sin_cache.shape[1] % 2
+            and type(is_neox) is bool and q.device == positions.device and k.device == positions.device
+            and cos_sin_cache.device == positions.device and not checks_values_on(positions)):
+        return
     check_tensor("fused.rotary_embedding: positions", positions, dtypes=(torch.int64, torch.int32))
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
         raise GraftInputError(f"fused.rotary_embedding: head_size must be a positive int, got {head_size!r}")
@@ -178,7 +190,8 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
     if can_read_values(positions):
         max_position = cos_sin_cache.shape[0]
-        bad = positions[(positions < 0) | (positions >= max_position)]
+        lo, hi = torch.aminmax(positions)  # one pass; the details only when something is out of range
+        bad = positions[(positions < 0) | (positions >= max_position)] if lo < 0 or hi >= max_position else positions[:0]
         if bad.numel():
             raise GraftInputError(
                 f"fused.rotary_embedding: positions must lie in [0, max_position = {max_position}) "

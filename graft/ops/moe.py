@@ -47,13 +47,16 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu",)
 NOT_ON_RANK = -1  # expert id of a slot whose expert lives on another rank (expert parallelism)
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+# sorted_token_ids are int32 indices: the padded length num_slots + E*(block_size-1) must fit.
+MAX_ALIGNED = 2**31 - 1
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -69,7 +72,9 @@ def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = Non
     if num_tokens is not None and topk_ids.shape[0] != num_tokens:
         raise GraftInputError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, expected {num_tokens} (one per token)")
     if can_read_values(topk_ids):
-        bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)]
+        lo, hi = torch.aminmax(topk_ids)  # one pass; the details only when something is out of range
+        out_of_range = lo < NOT_ON_RANK or hi >= num_experts
+        bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)] if out_of_range else topk_ids[:0]
         if bad.numel():
             raise GraftInputError(
                 f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}) or be {NOT_ON_RANK} "
@@ -122,6 +127,11 @@ def validate_align_block_size(topk_ids, block_size, num_experts):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise GraftInputError(f"{op}: {name} must be a positive int, got {value!r}")
     _check_ids(op, topk_ids, num_experts)
+    if aligned_sizes(topk_ids.numel(), block_size, num_experts)[0] > MAX_ALIGNED:
+        raise GraftInputError(
+            f"{op}: num_slots + num_experts * (block_size - 1) must be at most 2**31 - 1 (int32 token indices); "
+            f"got block_size={block_size}, num_experts={num_experts} for {topk_ids.numel()} slots"
+        )
 
 
 def align_block_size_reference(topk_ids, block_size, num_experts):
@@ -155,6 +165,19 @@ def align_block_size(topk_ids, block_size, num_experts):
 # ---------------------------------------------------------------- fused_experts
 
 def validate_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
+    if (isinstance(hidden, torch.Tensor) and isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+            and isinstance(topk_weights, torch.Tensor) and isinstance(topk_ids, torch.Tensor)
+            and hidden.dtype in _FLOAT_SET and w13.dtype == hidden.dtype and w2.dtype == hidden.dtype
+            and topk_weights.dtype in _FLOAT_SET and topk_ids.dtype == torch.int32 and hidden.ndim == 2
+            and w13.ndim == 3 and w2.ndim == 3 and topk_weights.ndim == 2 and topk_ids.shape == topk_weights.shape
+            and w13.shape[2] == hidden.shape[1] and w13.shape[1] and not w13.shape[1] % 2
+            and w2.shape[0] == w13.shape[0] and w2.shape[1] == hidden.shape[1] and 2 * w2.shape[2] == w13.shape[1]
+            and topk_ids.ndim == 2 and topk_ids.shape[0] == hidden.shape[0] and 0 < topk_ids.shape[1] <= w13.shape[0]
+            and activation in ACTIVATIONS and w13.device == hidden.device and w2.device == hidden.device
+            and topk_weights.device == hidden.device and topk_ids.device == hidden.device
+            and not checks_values_on(topk_ids)):
+        return
     op = "moe.fused_experts"
     check_tensor(f"{op}: hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor(f"{op}: w13", w13, ndim=3)

@@ -160,12 +160,12 @@ def read_settings(environ=None) -> Settings:
 
 
 def generation():
-    """graft's configuration generation: a new plugin host after ``plugins.reset()`` (and a
-    config reload) means the GRAFT_* variables are read again. The one place that knows it
-    (read on every call: a module attribute, no lock)."""
-    from graft import plugins
+    """graft's configuration generation (``graft.config.current()``: a new snapshot after
+    ``graft.reload_config()``, ``graft.override_config()`` or ``plugins.reset()``): the
+    collectives settings and plans are read again then. Cheap: a module attribute."""
+    from graft import config
 
-    return plugins._host or plugins.get_host()
+    return config._snapshot or config.current()
 
 
 _settings: tuple = (None, None)  # (generation, Settings)
@@ -176,7 +176,7 @@ def settings() -> Settings:
     gen = generation()
     cached_gen, value = _settings
     if cached_gen is not gen:
-        value = read_settings()
+        value = read_settings(gen)  # the snapshot graft read, not os.environ now
         _settings = (gen, value)
     return value
 

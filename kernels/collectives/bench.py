@@ -1,6 +1,7 @@
 """nccl-tests style benchmark of graft's collectives against the plain library collective.
 
     python -m graft.kernels.collectives.bench                       # CPU/gloo, 2 ranks, quick
+    python -m graft.kernels.collectives.bench overhead --ranks 2     # graft's own cost (``overhead()``)
     python -m graft.kernels.collectives.bench --backend nccl --ranks 8 \\
         --min-bytes 8 --max-bytes 512MiB --factor 2 --iters 50      # one GPU node
 
@@ -13,8 +14,7 @@ divided by this row's, both measured in the same run on the same buffers (> 1: f
 Absolute times describe this machine only; claims are made with ratios.
 
 Implementations per op: ``library`` (torch.distributed, what graft's reference runs),
-``graft`` (the public entry point: validation + selection + the selected impl; its
-ratio is the cost of the metadata exchange for small messages), ``oneshot`` /
+``graft`` (the public entry point: a cached per-signature plan + the selected impl), ``oneshot`` /
 ``twoshot`` (forced regardless of thresholds, to show where they pay), ``int8``
 (quantized all-gather vs the exact one), ``overlap`` (chunked GEMM + collective vs
 GEMM then collective, for M x 256 x 256 per-rank GEMMs sized so the collective moves
@@ -205,8 +205,12 @@ def _overhead_pairs(x, ws: int):
     in-place ones against the library call on the caller's tensors."""
     import torch.distributed as dist
 
-    from graft.kernels.collectives._common import all_gather_single, reduce_scatter_single
+    from graft.kernels.collectives._common import _all_gather_single as all_gather_single  # torch's own
+    from graft.kernels.collectives._common import _reduce_scatter_single as library_reduce_scatter
     from graft.ops import collectives as C
+
+    def reduce_scatter_single(out, inp):
+        return library_reduce_scatter(out, inp, op=dist.ReduceOp.SUM)
 
     n = x.numel()
     gathered, scattered = x.new_empty(ws * n), x.new_empty(n // ws)
@@ -247,7 +251,7 @@ def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
         os.environ.setdefault("GRAFT_DISABLE_PLUGINS", "triton,hip,vllm,deepspeed,megatron")
         for key in [k for k in os.environ if k.startswith("GRAFT_COLLECTIVES") or k == "GRAFT_BACKENDS"]:
             del os.environ[key]  # graft's torch backend: only graft's own cost is measured
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
+        torch.set_num_threads(1)  # ranks share the cores with gloo's threads
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
                                 timeout=timedelta(seconds=args["timeout"]))
         numel = args["numel"] // ws * ws
@@ -258,19 +262,21 @@ def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
                 lib()
                 graft_fn()
             times = {"library": [], "graft": []}
+            dist.barrier()
             for rnd in range(args["rounds"]):
-                # Interleaved, alternating which goes first; the slowest rank's batch time counts.
+                # Interleaved, alternating which goes first. No barrier per batch (it would add
+                # its own noise): every rank runs the same sequence, the collectives couple them.
                 order = (("library", lib), ("graft", graft_fn)) if rnd % 2 == 0 else (("graft", graft_fn), ("library", lib))
                 for label, fn in order:
-                    dist.barrier()
                     start = time.perf_counter()
                     for _ in range(args["batch"]):
                         fn()
-                    elapsed = torch.tensor([(time.perf_counter() - start) / args["batch"]], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times[label].append(float(elapsed))
-            lib_us = statistics.median(times["library"]) * 1e6
-            graft_us = statistics.median(times["graft"]) * 1e6
+                    times[label].append((time.perf_counter() - start) / args["batch"])
+            # Each rank's medians; the slowest rank's count (a collective is as slow as its slowest rank).
+            medians = torch.tensor([statistics.median(times["library"]), statistics.median(times["graft"])],
+                                   dtype=torch.float64)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            lib_us, graft_us = float(medians[0]) * 1e6, float(medians[1]) * 1e6
             result[name] = {"library_us": lib_us, "graft_us": graft_us, "ratio": graft_us / lib_us}
         dist.destroy_process_group()
         queue.put((rank, result, None))
@@ -285,7 +291,7 @@ def overhead(world_size: int = 2, quick: bool = True, numel: int = 20_000, timeo
     gloo ranks of this machine (graft on its torch backend, so only graft's cost counts).
 
     Measured in one run, interleaved (alternating order per round), medians of per-call
-    batch times (the slowest rank's). ``numel`` fp32 values per rank (20k: 80 KB).
+    batch times (each rank's, then the slowest rank's). ``numel`` fp32 values per rank (20k: 80 KB).
     Returns ``{"world_size", "numel", "dtype", "backend", "rounds", "ops": {name:
     {"library_us", "graft_us", "ratio"}}, "max_ratio"}`` with ``ratio = graft / library``
     for ``all_reduce``, ``all_gather``, ``reduce_scatter`` (functional) and ``all_reduce_``,
@@ -293,8 +299,10 @@ def overhead(world_size: int = 2, quick: bool = True, numel: int = 20_000, timeo
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Many short interleaved rounds: a shared machine's noise hits both sides alike and the
+    # median discards it (a few long batches would each carry a different share of it).
     params = {"numel": max(numel, world_size), "timeout": timeout, "warmup": 5 if quick else 20,
-              "rounds": 15 if quick else 41, "batch": 20 if quick else 50}
+              "rounds": 151 if quick else 501, "batch": 5}
     ops = _spawn(_overhead_rank, world_size, params, timeout * 2)[0]
     return {"world_size": world_size, "numel": params["numel"] // world_size * world_size, "dtype": "float32",
             "backend": "gloo", "rounds": params["rounds"], "ops": ops,

@@ -23,7 +23,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 _PG = dist.ProcessGroup
 
-from graft import plugins as _plugins
+from graft import config as _config
 from graft.errors import GraftError
 
 from ._common import _all_gather_single as _raw_all_gather
@@ -60,8 +60,15 @@ _plans: dict = {}
 _GROUP_ARG = {"collectives.gemm_reduce_scatter": 2, "collectives.all_gather_gemm": 2}  # else args[1]
 
 
-def _G(group):  # the group part of a key: the object, or (None/name, the default group)
-    return group if group.__class__ is _PG else (group, _default_group())
+try:
+    _world = _c10d._world  # torch's registry of groups: its default_pg is what dist.group.WORLD reads
+
+    def _G(group):  # the group part of a key: the object, or (None/name, the default group)
+        return group if group.__class__ is _PG else (group, _world.default_pg)
+except AttributeError:  # private API moved: the public (slower) way
+
+    def _G(group):
+        return group if group.__class__ is _PG else (group, _default_group())
 
 
 def _default_group():
@@ -132,7 +139,7 @@ def _lookup(key, op: str, args: tuple) -> Plan:
         return plan(op, *args)
     except KeyError:
         found = None
-    if found is None or found.gen is not (_plugins._host or generation()) or found.always:
+    if found is None or found.gen is not (_config._snapshot or generation()) or found.always:
         found = plan(op, *args)
         _plans[key] = found
     return found
@@ -178,6 +185,10 @@ def _done(p: Plan, async_op: bool):
     return Work(None, p.op, p.pg) if async_op else None
 
 
+def _flat(t):
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _comm_failed(p: Plan, exc: RuntimeError):
     if _is_comm_error(exc):
         raise collective_error(p.op, p.pg, exc) from exc
@@ -188,7 +199,7 @@ def all_reduce(x, group=None, op: str = "sum"):
     """Functional all-reduce (``graft.ops.collectives.all_reduce``)."""
     key = ("collectives.all_reduce", x.shape, x.dtype, x.device, _G(group), op)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_reduce", (x, group, op))
     if p.library:
         out = x.clone(memory_format=torch.contiguous_format)
@@ -204,10 +215,10 @@ def all_gather(x, group=None, sizes=None):
     """Functional all-gather (``graft.ops.collectives.all_gather``)."""
     key = ("collectives.all_gather", x.shape, x.dtype, x.device, _G(group), None if sizes is None else tuple(sizes))
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_gather", (x, group, sizes))
     if p.library and sizes is None:
-        out = x.new_empty((p.ws * x.shape[0],) + tuple(x.shape[1:]))
+        out = x.new_empty(p.ws * x.shape[0]) if x.dim() == 1 else x.new_empty((p.ws * x.shape[0],) + x.shape[1:])
         try:
             _raw_all_gather(out, x.contiguous(), group=p.pg)
         except RuntimeError as exc:
@@ -220,10 +231,11 @@ def reduce_scatter(x, group=None, op: str = "sum", sizes=None):
     """Functional reduce-scatter (``graft.ops.collectives.reduce_scatter``)."""
     key = ("collectives.reduce_scatter", x.shape, x.dtype, x.device, _G(group), op, None if sizes is None else tuple(sizes))
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.reduce_scatter", (x, group, op, sizes))
     if p.library and sizes is None:
-        out = x.new_empty((x.shape[0] // p.ws,) + tuple(x.shape[1:]))
+        out = (x.new_empty(x.shape[0] // p.ws) if x.dim() == 1
+               else x.new_empty((x.shape[0] // p.ws,) + x.shape[1:]))
         try:
             _raw_reduce_scatter(out, x.contiguous(), op=REDUCE_OPS[op], group=p.pg)
         except RuntimeError as exc:
@@ -243,7 +255,7 @@ def all_reduce_(tensor, group=None, op: str = "sum", async_op: bool = False, ser
     """In-place all-reduce of ``tensor`` (torch.distributed.all_reduce semantics)."""
     key = ("collectives.all_reduce", tensor.shape, tensor.dtype, tensor.device, _G(group), op)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_reduce", (tensor, group, op))
     if served is not None:
         served(p.backend)
@@ -267,12 +279,12 @@ def all_gather_into(output, input, group=None, async_op: bool = False, served=No
     contiguous; torch.distributed.all_gather_into_tensor semantics)."""
     key = ("collectives.all_gather", input.shape, input.dtype, input.device, _G(group), None)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.all_gather", (input, group, None))
     if served is not None:
         served(p.backend)
     if p.backend == REFERENCE and input.is_contiguous() and output.is_contiguous() and output.dtype == input.dtype:
-        out_flat, in_flat = output.view(-1), input.view(-1)
+        out_flat, in_flat = _flat(output), _flat(input)
         if p.library and not async_op:
             try:
                 _raw_all_gather(out_flat, in_flat, group=p.pg)
@@ -291,12 +303,12 @@ def reduce_scatter_into(output, input, group=None, op: str = "sum", async_op: bo
     (torch.distributed.reduce_scatter_tensor semantics)."""
     key = ("collectives.reduce_scatter", input.shape, input.dtype, input.device, _G(group), op, None)
     p = _plans.get(key)
-    if p is None or p.gen is not _plugins._host or p.always:
+    if p is None or p.gen is not _config._snapshot or p.always:
         p = _lookup(key, "collectives.reduce_scatter", (input, group, op, None))
     if served is not None:
         served(p.backend)
     if p.backend == REFERENCE and input.is_contiguous() and output.is_contiguous() and output.dtype == input.dtype:
-        out_flat, in_flat = output.view(-1), input.view(-1)  # dim-0 blocks of contiguous memory
+        out_flat, in_flat = _flat(output), _flat(input)  # dim-0 blocks of contiguous memory
         if p.library and not async_op:
             try:
                 _raw_reduce_scatter(out_flat, in_flat, op=REDUCE_OPS[op], group=p.pg)
