@@ -97,6 +97,11 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     settings = settings_for(registry, device_type, arch)
     priority, var = settings.priority_for(op, spec.family)
     requested = tuple(priority) if var is not None else ()
+    if var is None:  # no variable chose the order: the per-op default (measured preferences) applies
+        from graft import priorities
+
+        priority, why = priorities.apply(op, device_type, tuple(priority))
+        var = f"default (graft.priorities: {why})" if why else None
     by_backend: dict = {}
     for impl in registry.implementations(op):
         by_backend.setdefault(impl.backend, []).append(impl)

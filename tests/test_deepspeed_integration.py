@@ -186,6 +186,26 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert ds_comm.TorchBackend is TorchBackend
 
 
+def test_deactivate_restores_a_backend_built_while_active(ds_graft, monkeypatch):
+    """init_distributed() during activation builds graft's backend; deactivate() (which the
+    bench uses between steps) must give DeepSpeed its own collectives back, and activate() graft's."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    monkeypatch.setattr(ds_comm, "cdb", None)
+    assert ds_graft.activate()
+    ds_comm.cdb = ds_comm.TorchBackend.__new__(ds_comm.TorchBackend)  # what init_distributed() builds
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+    assert ds_graft.activate()
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+
+
 def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
     """Collectives graft does not serve go to torch.distributed, counted, each reason logged once."""
     import logging
@@ -324,6 +344,12 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
                                        rtol=1e-5, atol=1e-6, msg=f"rank {rank} ZeRO-{stage} losses differ")
             calls = g["calls"][stage]
             assert calls.get("fused.adam_step", 0) > 0, (stage, calls)
+            # Every Adam tensor counted under the backend that served it; FusedAdam's step is
+            # one multi-tensor call per step (one parameter group), not one per tensor.
+            served = sum(n for k, n in calls.items() if k.startswith("fused.adam_step:"))
+            assert served == calls["fused.adam_step"], (stage, calls)
+            if stage != "2off":
+                assert calls.get("fused_adam.multi_tensor_adam") == 4, (stage, calls)
             assert calls.get("collectives.all_reduce", 0) + calls.get("collectives.reduce_scatter", 0) > 0, (stage, calls)
         assert g["calls"]["2off"].get("cpu_adam.adam_update", 0) > 0, g["calls"]["2off"]
         # ZeRO-3 gathers partitioned parameters for every forward: graft served those gathers.

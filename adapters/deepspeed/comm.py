@@ -185,8 +185,11 @@ def install():
 
     def undo():
         ds_comm.TorchBackend = previous_class
-        if swapped is not None and type(swapped) is GraftTorchBackend:
-            swapped.__class__ = TorchBackend
+        # The live backend too, whether it was swapped above or built by init_distributed()
+        # while graft was active: after deactivate() DeepSpeed's collectives are its own.
+        for backend in (swapped, ds_comm.cdb):
+            if backend is not None and type(backend) is GraftTorchBackend:
+                backend.__class__ = TorchBackend
 
     return undo
 

@@ -6,7 +6,8 @@ loads the same checkpoints as one built from Megatron's local spec. Only the loc
 changes:
 
 * ``GraftColumnParallelLinear`` / ``GraftRowParallelLinear``: the per-rank GEMM is
-  ``gemm.linear``; Megatron's tensor-parallel communication around it is unchanged.
+  ``gemm.linear``; Megatron's tensor-parallel communication around it is unchanged (the
+  column-parallel dgrad all-reduce overlaps the wgrad GEMM, as in Megatron).
 * ``GraftRMSNorm``: ``fused.rms_norm``.
 * ``GraftDotProductAttention``: ``attention.prefill`` (causal / no-mask / packed ``thd``).
 * ``GraftSequentialMLP``: MoE experts as one ``moe.fused_experts`` call.
@@ -26,7 +27,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
-from graft.adapters.megatron.stats import fallback
+from graft.adapters.megatron.stats import counter, fallback
 
 # ---------------------------------------------------------------------------- linear layers
 
@@ -37,12 +38,20 @@ def graft_linear(x, weight, bias=None):
     return call_with_reference_grad("gemm.linear", gemm.linear, gemm.linear_reference, x, weight, bias)
 
 
+def _linear_no_grad(x, weight, bias=None):
+    """The forward of a linear whose gradients another autograd function computes: one
+    ``gemm.linear`` dispatch, counted under the implementation that served it."""
+    from graft.dispatch import run
+
+    out, impl = run("gemm.linear", x, weight, bias)
+    counter.served("gemm.linear", impl.backend)
+    return out
+
+
 def _megatron_gemm_reason(kwargs) -> str | None:
     """Why this local GEMM must stay Megatron's (its autograd function does the comm), or None."""
     if kwargs.get("gradient_accumulation_fusion"):
         return "gradient_accumulation_fusion"
-    if kwargs.get("allreduce_dgrad"):
-        return "allreduce_dgrad (tensor parallel > 1)"
     if kwargs.get("sequence_parallel"):
         return "sequence_parallel"
     if kwargs.get("grad_output_buffer") is not None:
@@ -51,14 +60,26 @@ def _megatron_gemm_reason(kwargs) -> str | None:
 
 
 class _GraftLocalGemm:
-    """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``."""
+    """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``.
+
+    Under tensor parallelism (``allreduce_dgrad``) the input gradient is all-reduced over
+    the TP group, overlapped with the weight-gradient GEMM (:mod:`.linear_tp`), as
+    Megatron's own autograd function does.
+    """
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         reason = "positional arguments graft does not read" if args else _megatron_gemm_reason(kwargs)
+        if reason is None and kwargs.get("allreduce_dgrad") and not weight.requires_grad:
+            reason = "allreduce_dgrad with a frozen weight"
         if reason is not None:
             fallback(type(self).__name__, reason)
             return super()._forward_impl(input, weight, *args, **kwargs)
-        return graft_linear(input, weight, kwargs.get("bias"))
+        bias = kwargs.get("bias")
+        if kwargs.get("allreduce_dgrad") and torch.is_grad_enabled():
+            from graft.adapters.megatron.linear_tp import linear_allreduce_dgrad
+
+            return linear_allreduce_dgrad(_linear_no_grad, input, weight, bias, kwargs.get("tp_group"))
+        return graft_linear(input, weight, bias)
 
 
 class GraftColumnParallelLinear(_GraftLocalGemm, ColumnParallelLinear):
