@@ -173,6 +173,7 @@ def test_compiled_objects_export_the_launchers(nvcc_objects, source):
         assert f"graft::{launcher}(" in symbols, f"{source} does not define graft::{launcher}"
 
 
+@pytest.mark.timeout(1200)  # torch's headers: about 40 s of compiler time, minutes on a loaded machine
 def test_torch_binding_compiles_for_cuda(tmp_path):
     """bindings.cpp (the one file with torch headers) through nvcc's host compiler against this
     torch's headers: syntax and types, so every C++ source is compiled by some test. The CPU

@@ -30,6 +30,7 @@ def _aot_env(tmp_path):
     return dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
 
 
+@pytest.mark.timeout(1800)  # seconds with a current cache file; a changed kernel's variants compile here
 def test_every_variant_fits_sm90_and_gfx942(tmp_path):
     """The full set (every variant of every kernel, both targets), in a subprocess because
     the interpreter is on in this one."""
@@ -71,6 +72,7 @@ _PROBE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.timeout(900)
 def test_a_planted_over_limit_config_fails_and_its_fix_passes(tmp_path):
     (tmp_path / "graft_aot_limits_probe.py").write_text(_PROBE)
     code = textwrap.dedent('''
