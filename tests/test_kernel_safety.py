@@ -21,6 +21,7 @@ import torch
 from graft.errors import GraftInputError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.timeout(1200)  # the module fixture runs every case on two backends, interpreted
 BACKENDS = ("torch", "triton")
 CASES = (
     "align_invalid_ids",

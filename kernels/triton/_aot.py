@@ -102,14 +102,21 @@ def split_tiles(cfg: dict) -> tuple[dict, dict]:
             {k: v for k, v in cfg.items() if k in _LAUNCH_OPTIONS})
 
 
+def _constexpr_names(kernel) -> set:
+    """Arguments annotated ``tl.constexpr`` (also for interpreted kernels, which lack ``params``)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return {p.name for p in params if "constexpr" in str(getattr(p.annotation, "__name__", p.annotation))}
+
+
 def signature(v: AotVariant) -> dict:
     """Triton signature of a variant. A kernel names its pointers either ``*_ptr`` (then a
     Capitalised ``M``, ``N``, ``K`` is a size) or Capitalised (``Q``, ``K``, ``Out``)."""
     names = v.kernel.arg_names
     suffixed = any(name.endswith("_ptr") for name in names)
     sig = {}
-    for name, param in zip(names, v.kernel.params):
-        if name in v.constexprs or param.is_constexpr:  # an omitted constexpr takes its default
+    declared = _constexpr_names(v.kernel)
+    for name in names:
+        if name in v.constexprs or name in declared:  # an omitted constexpr takes its default
             sig[name] = "constexpr"
         elif name in v.types:
             sig[name] = v.types[name]
@@ -291,8 +298,10 @@ def resources(compiled, target: str) -> dict:
             m = re.search(rf"\.{name}:\s+(\d+)", text)
             return int(m.group(1)) if m else 0
 
-        found.update(regs=field_("vgpr_count") + field_("agpr_count"),
-                     spills=field_("vgpr_spill_count") + field_("sgpr_spill_count") + field_("private_segment_fixed_size"))
+        # .vgpr_count already counts the accumulation registers (.agpr_count) on gfx90a and later.
+        # Spills: VGPRs spilled plus scratch bytes (SGPR spills go to VGPR lanes, not memory).
+        found.update(regs=field_("vgpr_count"),
+                     spills=field_("vgpr_spill_count") + field_("private_segment_fixed_size"))
     return found
 
 
@@ -311,6 +320,7 @@ def over_limits(found: dict, target: str) -> list[str]:
     return problems
 
 
+RESOURCES_VERSION = 2  # bump when resources() changes what it records
 CACHE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_resources.json")
 
 
@@ -325,7 +335,7 @@ def variant_key(v: AotVariant, target: str, aligned: bool = True) -> str:
 
     _, _, sig, consts, attrs = specialise(v, target, aligned)
     sources = sorted(f"{fn.fn.__module__}.{fn.fn.__qualname__}\n{inspect.getsource(fn.fn)}" for fn in reachable({v.kernel}))
-    blob = json.dumps([triton.__version__, target, aligned, sources, sig, repr(sorted(consts.items())),
+    blob = json.dumps([RESOURCES_VERSION, triton.__version__, target, aligned, sources, sig, repr(sorted(consts.items())),
                        repr(sorted(attrs.items())), sorted(v.options.items()),
                        os.environ.get("TRITON_DEFAULT_FP_FUSION", "")], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
