@@ -188,7 +188,8 @@ def _fused_experts_fp8(
         )  # fmt: skip
         block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden_size))
         _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-            slot_out, out, hidden_size, top_k, out.stride(0), out.stride(1), BLOCK_H=block_h,
+            slot_out, out, topk_ids, hidden_size, top_k, w13_q.shape[0], out.stride(0), out.stride(1),
+            topk_ids.stride(0), topk_ids.stride(1), BLOCK_H=block_h,
         )
     return out
 
