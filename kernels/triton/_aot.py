@@ -211,7 +211,7 @@ def uncovered(modules=None) -> list[str]:
 
 _TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
                  "u8": "uint8", "i16": "int16", "i32": "int32", "i64": "int64", "i1": "bool", "fp8e4nv": "float8_e4m3fn",
-                 "fp8e5": "float8_e5m2"}
+                 "fp8e5": "float8_e5m2", "fp8e4b8": "float8_e4m3fnuz", "fp8e5b16": "float8_e5m2fnuz"}
 
 
 def launch_arguments(v: AotVariant, aligned: bool = True) -> dict:
