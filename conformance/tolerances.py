@@ -122,3 +122,32 @@ def tolerance_for(
         r = r if orr is None else orr
         rule += " (case override)"
     return Tolerance(atol=a, rtol=r, rule=rule, atol_is_absolute=not out_dtype.is_floating_point)
+
+
+# --------------------------------------------------------------------------- gradients
+#
+# Gradient checks (``graft conformance --grad``) compare each input's gradient from an
+# implementation's registered backward with the gradient torch autograd takes through the
+# op's reference, for the same output cotangent. Bounds, again RMS-relative:
+#
+# * The backward is a second chain of reductions on top of the forward's: attention's dq sums
+#   over keys, dk/dv over queries (and over the query heads of a GQA group), a weight gradient
+#   over every row of the batch. The accumulation-growth rule applies with the longest of them
+#   (``reduction_len``: the case's own reduction or the number of rows reduced, whichever is
+#   longer).
+# * fp16/bf16: the reference differentiates in fp32 and rounds each gradient once; a Triton
+#   backward (like flash-attention's and every fused-kernel backward) rounds intermediates that
+#   become GEMM operands to the input dtype (attention's P and dS, the activation gradient
+#   before dx/dw, the MoE gate/up gradient), one extra rounding propagated through a GEMM:
+#   twice the forward's output-rounding bound, the same argument as MoE's forward.
+# * fp32: reordered fp32 accumulation only, so twice the forward bound covers the two chains.
+_GRAD_FACTOR = 2.0
+
+
+def grad_tolerance_for(grad_dtype: torch.dtype, *, reduction_len: int | None = None, device_type: str = "cpu",
+                       compute_dtype: torch.dtype | None = None) -> Tolerance:
+    """The bound for one input's gradient (see the reasoning above)."""
+    base = tolerance_for(grad_dtype, reduction_len=reduction_len, device_type=device_type,
+                         compute_dtype=compute_dtype)
+    return Tolerance(atol=base.atol * _GRAD_FACTOR, rtol=base.rtol * _GRAD_FACTOR,
+                     rule=f"gradient: {_GRAD_FACTOR:g}x ({base.rule})", atol_is_absolute=base.atol_is_absolute)
