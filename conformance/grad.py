@@ -100,7 +100,8 @@ def run_grad(impl, spec, case, make, dtype: torch.dtype, device_type: str, seed:
             e = torch.zeros_like(tensor)
         rows = tensor.numel() // tensor.shape[-1] if tensor.dim() and tensor.shape[-1] else 0
         reduction = max(rows, int(case.reduction(args, kwargs)) if case.reduction is not None else 0)
-        tol = grad_tolerance_for(e.dtype, reduction_len=reduction, device_type=device_type, compute_dtype=dtype)
+        tol = grad_tolerance_for(e.dtype, reduction_len=reduction, device_type=device_type, compute_dtype=dtype,
+                                 op=case.op)
         cmp = compare_tensors(f"d{name}", g if g is not None else torch.zeros_like(e), e, tol)
         result["inputs"][name] = {"ok": cmp.ok, "max_abs": cmp.max_abs, "max_rel": cmp.max_rel,
                                   "tolerance": tol.as_dict(), "problem": cmp.problem,

@@ -141,13 +141,23 @@ def tolerance_for(
 #   before dx/dw, the MoE gate/up gradient), one extra rounding propagated through a GEMM:
 #   twice the forward's output-rounding bound, the same argument as MoE's forward.
 # * fp32: reordered fp32 accumulation only, so twice the forward bound covers the two chains.
+# * attention.prefill in fp16/bf16: two rounded operands, not one (P before dV = P^T dO, and
+#   dS = P * (dP - delta) before dQ = dS K and dK = dS^T Q), and dS cancels by construction
+#   (each row of dS sums to zero), so dQ/dK are differences of terms much larger than
+#   themselves and the rounding of those terms shows up relative to the result. Twice the
+#   generic gradient bound. (flash-attention's own tests allow twice the error of a same-dtype
+#   PyTorch implementation; here the reference computes in fp32, so the bound is stated
+#   against the output-rounding unit instead.) fp32 keeps the generic bound: measured errors
+#   there are ~1e-7 relative, so a real backward bug cannot hide behind this factor.
 _GRAD_FACTOR = 2.0
+_GRAD_OP_FACTOR = {"attention.prefill": {torch.float16: 4.0, torch.bfloat16: 4.0}}
 
 
 def grad_tolerance_for(grad_dtype: torch.dtype, *, reduction_len: int | None = None, device_type: str = "cpu",
-                       compute_dtype: torch.dtype | None = None) -> Tolerance:
-    """The bound for one input's gradient (see the reasoning above)."""
+                       compute_dtype: torch.dtype | None = None, op: str | None = None) -> Tolerance:
+    """The bound for one input's gradient of ``op`` (see the reasoning above)."""
     base = tolerance_for(grad_dtype, reduction_len=reduction_len, device_type=device_type,
                          compute_dtype=compute_dtype)
-    return Tolerance(atol=base.atol * _GRAD_FACTOR, rtol=base.rtol * _GRAD_FACTOR,
-                     rule=f"gradient: {_GRAD_FACTOR:g}x ({base.rule})", atol_is_absolute=base.atol_is_absolute)
+    factor = _GRAD_OP_FACTOR.get(op, {}).get(compute_dtype or grad_dtype, _GRAD_FACTOR)
+    return Tolerance(atol=base.atol * factor, rtol=base.rtol * factor,
+                     rule=f"gradient: {factor:g}x ({base.rule})", atol_is_absolute=base.atol_is_absolute)

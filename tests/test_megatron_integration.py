@@ -213,15 +213,23 @@ def test_gpt_model_with_graft_layers_matches_local(megatron_cpu, calls):
     assert (served("fused.rms_norm"), served("gemm.linear"), served("attention.prefill")) == (4, 8, 2), dict(calls)
 
 
-def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls, caplog):
+def test_causal_mask_is_served_and_other_masks_fall_back(megatron_cpu, calls, caplog):
+    """Megatron passes the causal mask tensor with the causal mask type: graft serves it. Any
+    other mask (here causal plus a padded last key) goes to Megatron's own attention."""
     local, grafted = _build_pair(_config())
     x = torch.randn(5, 1, HIDDEN)
+    padded = _causal_mask(5).clone()
+    padded[..., 4] = True
     caplog.set_level(logging.INFO, logger="graft.integration.megatron")
     with torch.no_grad():
         out_ref, _ = local(x, attention_mask=_causal_mask(5))
         out_graft, _ = grafted(x, attention_mask=_causal_mask(5))
-        grafted(x, attention_mask=_causal_mask(5))  # the same reason again: counted, not logged again
-    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+        assert calls["attention.prefill:triton"] == 1 and not calls["fallback.GraftDotProductAttention"], dict(calls)
+        pad_ref, _ = local(x, attention_mask=padded)
+        pad_graft, _ = grafted(x, attention_mask=padded)
+        grafted(x, attention_mask=padded)  # the same reason again: counted, not logged again
+    torch.testing.assert_close(pad_graft, pad_ref, rtol=1e-4, atol=1e-5)
     assert calls["fallback.GraftDotProductAttention"] == 2
     # The rest of the layer was still graft's.
     served = {key.split(":")[0] for key in calls if not key.startswith("fallback.")}
