@@ -147,3 +147,31 @@ def test_tiny_llama_converges_like_the_references(fresh_graft):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, p in ref_params.items():
         torch.testing.assert_close(params[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_megatron_patch_rms_norm_trains(tmp_path):
+    """The Megatron upstream patch's TritonRMSNorm has a backward: its weight gets a gradient,
+    and dx/dweight match torch's RMSNorm."""
+    import importlib.util
+    import types
+
+    from graft.patches.templates import megatron
+
+    (change,) = megatron._changes()
+    path = tmp_path / "fused_rms_norm_triton.py"
+    path.write_text(change.content)
+    spec = importlib.util.spec_from_file_location("patched_rms_norm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    norm = module.TritonRMSNorm(types.SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), 48, 1e-5)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(48))
+    x = torch.randn(5, 3, 48, requires_grad=True)
+    out = norm(x)
+    assert out.grad_fn is not None
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), norm.weight.detach().clone().requires_grad_()
+    torch.nn.functional.rms_norm(x_ref, (48,), w_ref, 1e-5).backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.weight.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
