@@ -31,6 +31,7 @@ GRAD_INPUTS = {
     "fused.silu_and_mul": (0,),
     "gemm.linear": (0, 1, 2),
     "moe.fused_experts": (0, 1, 2, 3),
+    "loss.fused_linear_cross_entropy": (0, 1, 3),
 }
 
 
