@@ -1,5 +1,5 @@
 """Small fused ops the framework integrations need: RMSNorm (optionally fused with the
-residual add), SiLU-and-mul (the gated MLP activation) and rotary position embedding.
+residual add), LayerNorm, SiLU-and-mul (the gated MLP activation) and rotary position embedding.
 
 Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
 
@@ -7,6 +7,8 @@ Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
   over the last dim, reduced in fp32. With ``residual`` it is the fused residual-add
   variant: ``residual_out = x + residual`` and ``out = rms_norm(residual_out)``;
   returns ``(out, residual_out)``.
+* ``layer_norm(x, weight, bias=None, eps)``: ``(x - mean) * rsqrt(var + eps) * weight + bias``
+  over the last dim with fp32 statistics (biased variance), as ``torch.nn.LayerNorm``.
 * ``silu_and_mul(x)``: ``silu(x[..., :D]) * x[..., D:]`` for ``x`` of last dim ``2*D``.
 * ``rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)``: rotates the
   first ``rot_dim`` features of every head of ``q`` and ``k`` by the angles of each
@@ -18,7 +20,7 @@ Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
   them off (``GRAFT_CHECK_VALUES=0``, tracing, CUDA graphs) its token passes through
   unrotated (cos 1, sin 0) in every backend: no kernel reads outside the cache.
 
-All three compute in fp32 and round once to the input dtype.
+All compute in fp32 and round once to the input dtype.
 """
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ def rms_norm_reference(x, weight, eps=1e-6, residual=None):
     if residual is None:
         return out
     return out, xf.to(x.dtype)
+
+
+def layer_norm_reference(x, weight, bias=None, eps=1e-5):
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
 
 
 def silu_and_mul_reference(x):
@@ -124,6 +131,24 @@ def validate_rms_norm(x, weight, eps=1e-6, residual=None):
                 f"fused.rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
     check_same_device(x=x, weight=weight, residual=residual)
+
+
+def validate_layer_norm(x, weight, bias=None, eps=1e-5):
+    _check_float("fused.layer_norm: x", x)
+    if x.dim() < 1:
+        raise GraftInputError("fused.layer_norm: x must have at least 1 dim [..., hidden], got a scalar")
+    hidden = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        check_tensor(f"fused.layer_norm: {name}", t, dtypes=(x.dtype,))
+        if t.dim() != 1 or t.shape[0] != hidden:
+            raise GraftInputError(
+                f"fused.layer_norm: {name} must be 1-D of size hidden={hidden} (x's last dim), got shape {tuple(t.shape)}"
+            )
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise GraftInputError(f"fused.layer_norm: eps must be a non-negative float, got {eps!r}")
+    check_same_device(x=x, weight=weight, bias=bias)
 
 
 def validate_silu_and_mul(x):
@@ -207,6 +232,11 @@ def rms_norm(x, weight, eps: float = 1e-6, residual=None):
     return call("fused.rms_norm", x, weight, eps, residual)
 
 
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last dim: ``(x - mean) * rsqrt(var + eps) * weight + bias`` (fp32 statistics)."""
+    return call("fused.layer_norm", x, weight, bias, eps)
+
+
 def silu_and_mul(x):
     """``silu(x[..., :D]) * x[..., D:]`` for ``x`` of shape ``[..., 2*D]``."""
     return call("fused.silu_and_mul", x)
@@ -226,6 +256,14 @@ OPS = [
         reference=rms_norm_reference,
         description="RMSNorm over the last dim (fp32 reduction), optionally fused with the residual add",
         validate=validate_rms_norm,
+    ),
+    OpSpec(
+        name="fused.layer_norm",
+        family="fused",
+        signature="layer_norm(x[..., H], weight[H], bias[H] | None = None, eps: float = 1e-5) -> out",
+        reference=layer_norm_reference,
+        description="LayerNorm over the last dim (fp32 mean and variance, biased), optional bias",
+        validate=validate_layer_norm,
     ),
     OpSpec(
         name="fused.silu_and_mul",
@@ -267,6 +305,20 @@ def _rms_case(name, shape, residual, tags=frozenset({"quick"})):
         return x.numel() * x.element_size() * (4 if residual else 2)
 
     return OpCase("fused.rms_norm", name + ("_residual" if residual else ""), make, tags=tags, flops=moved)
+
+
+def _ln_case(name, shape, bias=True, tags=frozenset({"quick"})):
+    def make(device, dtype, gen):
+        x = _randn(shape, device, dtype, gen, scale=2.0) + 0.5
+        w = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
+        b = _randn((shape[-1],), device, dtype, gen, scale=0.1) if bias else None
+        return (x, w, b, 1e-5), {}
+
+    def moved(args, kwargs):
+        x = args[0]
+        return x.numel() * x.element_size() * 2
+
+    return OpCase("fused.layer_norm", name + ("" if bias else "_nobias"), make, tags=tags, flops=moved)
 
 
 def _silu_case(name, shape, tags=frozenset({"quick"})):
@@ -320,6 +372,12 @@ CASES = [
     _rms_case("t0_h64_empty", (0, 64), True),
     _rms_case("t4096_h4096", (4096, 4096), False, _GPU),
     _rms_case("t4096_h8192", (4096, 8192), True, _GPU),
+    _ln_case("t1_h33", (1, 33)),
+    _ln_case("t7_h128", (7, 128), bias=False),
+    _ln_case("b3_t5_h64", (3, 5, 64)),
+    _ln_case("t3_h1025", (3, 1025)),
+    _ln_case("t0_h64_empty", (0, 64)),
+    _ln_case("t4096_h4096", (4096, 4096), tags=_GPU),
     _silu_case("t1_d33", (1, 66)),
     _silu_case("t5_d128", (5, 256)),
     _silu_case("b2_t3_d17", (2, 3, 34)),
