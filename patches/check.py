@@ -38,6 +38,9 @@ class TestRun:
     ok: bool
     summary: str
     output: str = ""
+    failed: set = field(default_factory=set)  # node ids that failed or errored
+    baseline: str | None = None  # for existing upstream tests: the unpatched tree's summary
+    regressions: list = field(default_factory=list)  # fail patched, not unpatched
 
 
 @dataclass
@@ -152,12 +155,34 @@ def check(source, patches_dir, upstream_version=None, import_check=True, python=
             report.lint = run_linters(project(framework), work, py_changed)
         if run_tests:
             files = [f for t in (manifest or {}).get("templates", []) for f in t.get("tests", [])]
+            extra = [a for t in (manifest or {}).get("templates", []) for a in t.get("test_args", [])]
             missing = [f for f in files if not (work / f).exists()]
             if missing:
                 report.tests.append(TestRun(missing, False, f"test files not in the patched tree: {', '.join(missing)}"))
             elif files:
-                report.tests.append(_pytest(python, work, files, test_timeout))
+                report.tests += _run_tests(python, source, work, Path(tmp) / "base", files, extra, test_timeout)
     return report
+
+
+def _run_tests(python, source, work, base_dir, files, extra, timeout) -> list:
+    """The patch's own tests must pass. Existing upstream tests must not fail where they pass
+    in the unpatched tree (some upstream tests cannot pass on a CPU-only machine at all)."""
+    added = git(work, "diff", "--cached", "--name-only", "--diff-filter=A").stdout.split()
+    new = [f for f in files if f in added]
+    existing = [f for f in files if f not in added]
+    runs = []
+    if new:
+        runs.append(_pytest(python, work, new, timeout, extra))
+    if existing:
+        patched = _pytest(python, work, existing, timeout, extra)
+        scratch_copy(source, base_dir, worktree=True)
+        unpatched = _pytest(python, base_dir, existing, timeout, extra)
+        patched.baseline = unpatched.summary
+        patched.regressions = sorted(patched.failed - unpatched.failed)
+        collection_broke = patched.summary.startswith("exit code") and not unpatched.summary.startswith("exit code")
+        patched.ok = patched.ok or (not patched.regressions and not collection_broke)
+        runs.append(patched)
+    return runs
 
 
 def _env(root: Path) -> dict:
@@ -181,13 +206,13 @@ def _has_gpu(python: str) -> bool:
     return proc.returncode == 0
 
 
-def _pytest(python: str, root: Path, files: list, timeout: int) -> TestRun:
+def _pytest(python: str, root: Path, files: list, timeout: int, extra=()) -> TestRun:
     """The tests, in the patched tree (its modules shadow any installed copy); on a machine
     without a GPU, Triton kernels run in the interpreter."""
     env = _env(root)
     if not _has_gpu(python):
         env["TRITON_INTERPRET"] = "1"
-    argv = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files]
+    argv = [python, "-m", "pytest", "-q", "-rsfE", "--color=no", "-p", "no:cacheprovider", *extra, *files]
     try:
         proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -196,4 +221,5 @@ def _pytest(python: str, root: Path, files: list, timeout: int) -> TestRun:
     summary = next((line.strip("= ").strip() for line in reversed(output.splitlines())
                     if re.search(r"\b(passed|failed|error|skipped|no tests ran)\b", line)), f"exit code {proc.returncode}")
     device = "GPU" if "TRITON_INTERPRET" not in env else "CPU, Triton interpreter"
-    return TestRun(files, proc.returncode == 0, f"{summary} [{device}]", output)
+    failed = {line.split()[1] for line in output.splitlines() if re.match(r"(FAILED|ERROR) \S", line)}
+    return TestRun(files, proc.returncode == 0, f"{summary} [{device}]", output, failed)

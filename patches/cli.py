@@ -93,6 +93,10 @@ def _check(args) -> int:
             print(_indent(result.output))
     for run_ in report.tests:
         print(f"  {'tests pass' if run_.ok else 'TESTS FAIL':<16} {run_.summary}")
+        if run_.baseline is not None:
+            print(f"      unpatched tree: {run_.baseline}; "
+                  + (f"{len(run_.regressions)} new failures: {', '.join(run_.regressions[:10])}"
+                     if run_.regressions else "no new failures"))
         for f in run_.files:
             print(f"      {f}")
         if run_.output and (not run_.ok or args.verbose):

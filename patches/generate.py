@@ -13,7 +13,7 @@ from pathlib import Path
 
 from graft import __version__
 from graft.patches.gitutil import changed_paths, dirty_paths, git, identity, is_git_repo, scratch_copy
-from graft.patches.message import render
+from graft.patches.message import _wrap, render
 from graft.patches.projects import project
 from graft.patches.template import PatchError
 from graft.patches.versions import detect_version
@@ -117,7 +117,8 @@ def generate(framework: str, source, out, upstream_version=None, names=None, con
             args.append("--cover-letter")
         if from_git:
             args.append(f"--base={base}")
-        written = [Path(p) for p in git(work, *args, f"{base}..HEAD").stdout.split()]
+        signer = identity(author or chosen[0].author, date)  # the cover letter's From:
+        written = [Path(p) for p in git(work, *args, f"{base}..HEAD", env=signer).stdout.split()]
     patches = [p for p in written if not p.name.endswith("0000-cover-letter.patch")]
     for letter in (p for p in written if p not in patches):
         _fill_cover_letter(letter, proj, chosen)
@@ -127,7 +128,7 @@ def generate(framework: str, source, out, upstream_version=None, names=None, con
         "version": version,
         "files": [p.name for p in written],
         "templates": [{"name": t.name, "supported": t.supported, "import_checks": list(t.import_checks),
-                       "tests": list(t.tests)} for t in chosen],
+                       "tests": list(t.tests), "test_args": list(t.test_args)} for t in chosen],
     }, indent=2) + "\n")
     return patches
 
@@ -152,7 +153,7 @@ def _fill_cover_letter(path: Path, proj, chosen: list) -> None:
     lead = chosen[0]
     subject = proj.title(lead.subject if len(chosen) == 1 else f"Triton kernels for {proj.framework}: "
                          + ", ".join(t.subject for t in chosen))
-    blurb = [lead.motivation.strip() or lead.subject, "", "This series:"]
+    blurb = [_wrap(lead.motivation) if lead.motivation.strip() else lead.subject, "", "This series:"]
     blurb += [f"  - {proj.title(t.subject)}" for t in chosen]
     text = path.read_text().replace("*** SUBJECT HERE ***", subject).replace("*** BLURB HERE ***", "\n".join(blurb))
     path.write_text(text)

@@ -111,6 +111,7 @@ class PatchTemplate:
     notes: list = field(default_factory=list)
     motivation: str = ""
     tests: tuple = ()
+    test_args: tuple = ()  # extra pytest arguments the project's CI uses for these tests (e.g. -m MARK)
     upstream: str = "not submitted yet"
     retire: str = ""
 

@@ -206,7 +206,10 @@ with no extension build.""",
             changes=_changes,
             ops=("fused.rms_norm",),
             import_checks=("megatron.core.fusions.fused_rms_norm_triton", "megatron.core.models.gpt.gpt_layer_specs"),
-            tests=(TEST_PATH, "tests/unit_tests/fusions/test_torch_softmax.py"),
+            tests=(TEST_PATH, "tests/unit_tests/transformer/test_spec_customization.py"),
+            # tests/unit_tests/conftest.py needs Transformer Engine (is_te_min_version in an autouse
+            # fixture) and downloads test data; these tests need neither.
+            test_args=("--noconftest",),
             retire=_rms_norm.REMOVAL.format(what="norm override in graft.adapters.megatron's layer spec",
                                             framework="Megatron-core"),
         )
