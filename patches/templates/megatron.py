@@ -41,12 +41,14 @@ class _TritonRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):  # pylint: disable=arguments-differ
+        """Normalise x with the Triton kernel; keep x and the weight for backward."""
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         return _rms_norm(x, weight, eps)[0]
 
     @staticmethod
     def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        """Gradients for x and the weight, from the norm recomputed in fp32."""
         x, weight = ctx.saved_tensors
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
