@@ -107,6 +107,10 @@ def _check(args) -> int:
         return 1
     checked = ["patches apply"]
     checked += ["linters pass"] if report.lint else []
-    checked += [f"tests pass ({', '.join(t.summary for t in report.tests)})"] if report.tests else []
+    for t in report.tests:
+        if t.baseline is None:
+            checked.append(f"new tests pass ({t.summary})")
+        else:
+            checked.append(f"existing upstream tests: no new failures ({t.summary}; unpatched: {t.baseline})")
     print("OK: " + ", ".join(checked) + (" (with warnings above)" if report.warnings else ""))
     return 0

@@ -454,13 +454,13 @@ print("REAL-UPSTREAM-OK", m.__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_real_vllm_sources_patch_imports_and_runs(tmp_path):
     tree = _installed_sources("vllm", tmp_path / "vllm")
     out = tmp_path / "out"
     (patch,) = gen("vllm", tree, out)
-    report = check(tree, out)  # the installed sources carry no tests/ or pyproject: imports only
-    assert report.ok, (report.patches, report.imports)
-    assert [e for _, e in report.imports] == [None, None]
+    report = check(tree, out, import_check=False)  # the run below imports the patched modules
+    assert report.ok, report.patches
     git(tree, "am", "-q", "--keep-non-patch", str(patch))
     # RMSNorm.forward_cuda with VLLM_USE_TRITON_RMS_NORM=1 runs the kernel; compare with forward_native.
     _run_patched(tree, VLLM_LAYER_CHECK)
