@@ -217,7 +217,7 @@ def _pytest(python: str, root: Path, files: list, timeout: int, extra=()) -> Tes
         proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return TestRun(files, False, f"timed out after {timeout} s")
-    output = proc.stdout + proc.stderr
+    output = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)  # some projects force colour
     summary = next((line.strip("= ").strip() for line in reversed(output.splitlines())
                     if re.search(r"\b(passed|failed|error|skipped|no tests ran)\b", line)), f"exit code {proc.returncode}")
     device = "GPU" if "TRITON_INTERPRET" not in env else "CPU, Triton interpreter"
