@@ -1,14 +1,29 @@
-"""``graft patches generate``: templates -> commits in a scratch copy -> ``git format-patch`` files."""
+"""``graft patches generate``: templates -> commits in a scratch copy -> ``git format-patch`` files.
+
+Alongside the patches it writes ``series.json`` (templates, version range, tests to run),
+which ``graft patches check`` reads; nothing graft-specific goes into the commits unless
+``graft_trailers`` is asked for.
+"""
 from __future__ import annotations
 
+import json
 import tempfile
+import warnings
 from pathlib import Path
 
 from graft import __version__
-from graft.patches.gitutil import git, identity, is_git_repo, scratch_copy
-from graft.patches.message import render
+from graft.patches.gitutil import changed_paths, dirty_paths, git, identity, is_git_repo, scratch_copy
+from graft.patches.message import _wrap, render
+from graft.patches.projects import project
 from graft.patches.template import PatchError
 from graft.patches.versions import detect_version
+
+MANIFEST = "series.json"
+DEFAULT_AUTHOR = "graft <graft@users.noreply.github.com>"
+
+
+class PatchWarning(UserWarning):
+    """Something a maintainer should know about, which does not stop generation."""
 
 
 def available_templates() -> list:
@@ -33,20 +48,34 @@ def select_templates(framework: str, names=None, templates=None) -> list:
 
 
 def generate(framework: str, source, out, upstream_version=None, names=None, conformance=None,
-             author=None, templates=None) -> list:
-    """Write one format-patch file per template into ``out``; returns their paths.
+             author=None, templates=None, *, signoff=False, reroll=None, cover_letter=None,
+             allow_dirty=False, graft_trailers=False, format_code=False) -> list:
+    """Write one format-patch file per template into ``out`` (plus a cover letter for a
+    series); returns the patch paths in order.
 
     Deterministic: the commits reuse the source HEAD's date and format-patch writes a
     zero commit id, so the same inputs give byte-identical patches.
     """
     source, out = Path(source), Path(out)
+    proj = project(framework)
     version = detect_version(framework, source, upstream_version)
     chosen = select_templates(framework, names, templates)
+    if reroll is not None and (not isinstance(reroll, int) or reroll < 1):
+        raise PatchError(f"--reroll-count must be a positive integer, got {reroll!r}")
+    if signoff and (author or chosen[0].author) == DEFAULT_AUTHOR:
+        raise PatchError("--signoff certifies the Developer Certificate of Origin in a person's name: "
+                         "pass --author 'Your Name <you@example.com>'")
+    if proj.dco and not signoff:
+        warnings.warn(f"{framework} requires a DCO Signed-off-by line on every commit; pass --signoff", PatchWarning,
+                      stacklevel=2)
+    dirty = dirty_paths(source) if is_git_repo(source) else []
+    if dirty and not allow_dirty:
+        raise PatchError(f"{source} has uncommitted changes ({', '.join(dirty[:5])}{' ...' if len(dirty) > 5 else ''}); "
+                         f"commit or stash them, or pass --allow-dirty to generate against HEAD")
+    if dirty:
+        warnings.warn(f"{source} has uncommitted changes; the patches are against HEAD and ignore them", PatchWarning,
+                      stacklevel=2)
     outside = [t for t in chosen if not t.supports(version)]
-    if outside:
-        listing = "; ".join(f"{t.name} supports {framework} {t.supported}" for t in outside)
-        raise PatchError(f"{framework} {version} at {source} is outside the supported range: {listing}. "
-                         f"Use a checkout of a supported release.")
     with tempfile.TemporaryDirectory(prefix="graft-patches-") as tmp:
         work = Path(tmp) / "src"
         from_git = is_git_repo(source)
@@ -57,19 +86,74 @@ def generate(framework: str, source, out, upstream_version=None, names=None, con
                 try:
                     change.apply(work)
                 except PatchError as exc:
+                    if template in outside:
+                        raise PatchError(f"{framework} {version} at {source} is outside the range {template.name} "
+                                         f"declares ({template.supported}) and the template does not apply: {exc}") from None
                     raise PatchError(f"template {template.name}: {exc}") from None
-            git(work, "add", "-A")
-            if not git(work, "diff", "--cached", "--name-only").stdout.strip():
+            changed = changed_paths(work)
+            if not changed:
                 raise PatchError(f"template {template.name} changes nothing in {source}")
+            if format_code:
+                from graft.patches.linters import fix
+
+                fix(proj, work, [p for p in changed if p.endswith(".py") and (work / p).is_file()])
+            git(work, "add", "-A")
             message = Path(tmp) / "message.txt"
-            message.write_text(render(template, version, conformance))
-            git(work, "commit", "-q", "--no-verify", "-F", str(message), env=identity(author or template.author, date))
+            message.write_text(render(template, version, conformance, title=proj.title(template.subject),
+                                      graft_trailers=graft_trailers))
+            args = ["commit", "-q", "--no-verify", "-F", str(message)] + (["--signoff"] if signoff else [])
+            git(work, *args, env=identity(author or template.author, date))
+        for template in outside:
+            warnings.warn(f"{framework} {version} is outside the range {template.name} was written for "
+                          f"({template.supported}); it still applies, but review it against this version", PatchWarning,
+                          stacklevel=2)
         out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob("*.patch"):  # replace an earlier run's output, leave anything else alone
-            if "Graft-Template:" in old.read_text(errors="replace"):
-                old.unlink()
-        args = ["format-patch", "--zero-commit", "--signature", f"graft {__version__}", "-o", str(out.resolve())]
+        _remove_previous(out)
+        series = cover_letter if cover_letter is not None else len(chosen) > 1
+        args = ["format-patch", "--zero-commit", "--no-signature", "-o", str(out.resolve())]
+        if reroll is not None:
+            args.append(f"--reroll-count={reroll}")
+        if series:
+            args.append("--cover-letter")
         if from_git:
             args.append(f"--base={base}")
-        written = git(work, *args, f"{base}..HEAD").stdout.split()
-    return [Path(p) for p in written]
+        signer = identity(author or chosen[0].author, date)  # the cover letter's From:
+        written = [Path(p) for p in git(work, *args, f"{base}..HEAD", env=signer).stdout.split()]
+    patches = [p for p in written if not p.name.endswith("0000-cover-letter.patch")]
+    for letter in (p for p in written if p not in patches):
+        _fill_cover_letter(letter, proj, chosen)
+    (out / MANIFEST).write_text(json.dumps({
+        "generator": f"graft {__version__}",
+        "framework": framework,
+        "version": version,
+        "files": [p.name for p in written],
+        "templates": [{"name": t.name, "supported": t.supported, "import_checks": list(t.import_checks),
+                       "tests": list(t.tests), "test_args": list(t.test_args)} for t in chosen],
+    }, indent=2) + "\n")
+    return patches
+
+
+def _remove_previous(out: Path) -> None:
+    """Replace an earlier run's output; leave anything else in ``out`` alone."""
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        try:
+            names = json.loads(manifest.read_text()).get("files", [])
+        except ValueError:
+            names = []
+        for name in names:
+            (out / Path(name).name).unlink(missing_ok=True)
+        manifest.unlink()
+    for old in out.glob("*.patch"):  # output of graft versions that marked patches with trailers
+        if "Graft-Template:" in old.read_text(errors="replace"):
+            old.unlink()
+
+
+def _fill_cover_letter(path: Path, proj, chosen: list) -> None:
+    lead = chosen[0]
+    subject = proj.title(lead.subject if len(chosen) == 1 else f"Triton kernels for {proj.framework}: "
+                         + ", ".join(t.subject for t in chosen))
+    blurb = [_wrap(lead.motivation) if lead.motivation.strip() else lead.subject, "", "This series:"]
+    blurb += [f"  - {proj.title(t.subject)}" for t in chosen]
+    text = path.read_text().replace("*** SUBJECT HERE ***", subject).replace("*** BLURB HERE ***", "\n".join(blurb))
+    path.write_text(text)

@@ -24,11 +24,32 @@ def is_git_repo(root: Path) -> bool:
     return (root / ".git").exists() and git(root, "rev-parse", "HEAD", check=False).returncode == 0
 
 
-def scratch_copy(source: Path, dest: Path) -> str:
+def status_paths(root: Path) -> list:
+    """Paths with uncommitted changes (modified, staged, deleted or untracked; not ignored)."""
+    out = git(root, "status", "--porcelain", "-z", "--untracked-files=all").stdout
+    paths, entries = [], out.split("\0")
+    i = 0
+    while i < len(entries):
+        entry = entries[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":  # a rename/copy is followed by its source path
+            i += 1
+    return paths
+
+
+dirty_paths = status_paths
+changed_paths = status_paths
+
+
+def scratch_copy(source: Path, dest: Path, worktree: bool = False) -> str:
     """Put the source tree at ``dest`` as a git repository; returns the base commit.
 
     A git checkout is cloned (its HEAD is the base, so patches carry base-commit);
-    anything else is copied and committed once as the base.
+    with ``worktree`` its uncommitted changes are carried over too, so the copy is the
+    tree as it is on disk. Anything else is copied and committed once as the base.
     """
     if shutil.which("git") is None:
         raise PatchError("git is not installed; patch generation and checking need it")
@@ -38,6 +59,14 @@ def scratch_copy(source: Path, dest: Path) -> str:
     if is_git_repo(source):
         subprocess.run(["git", "clone", "-q", "--shared", str(source), str(dest)], check=True,
                        capture_output=True, timeout=600)
+        if worktree:
+            for rel in status_paths(source):
+                src, dst = source / rel, dest / rel
+                if src.is_file():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, dst)
+                elif dst.is_file():
+                    dst.unlink()
     else:
         shutil.copytree(source, dest, ignore=shutil.ignore_patterns(".git", "__pycache__"))
         git(dest, "init", "-q")

@@ -1,24 +1,34 @@
-"""Commit messages for generated patches: explanation, conformance evidence, trailers.
+"""Commit messages for generated patches, in the form maintainers expect:
 
-Trailers (``Graft-Template``, ``Graft-Upstream``, ``Graft-Import-Check``) let
-``graft patches check`` find the template's version range and what must import.
+    <[Tag]> subject
+
+    motivation (why)
+    what changes
+    Testing: what ran, on which device; speedups only when measured on a GPU
+
+    Signed-off-by: ...            (--signoff)
+    Graft-Template: ...           (--graft-trailers only: graft-internal, kept out of upstream history)
 """
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
-from graft import __version__
 from graft.patches.template import PatchError, PatchTemplate
 
 TRAILER_KEYS = ("Graft-Template", "Graft-Upstream", "Graft-Import-Check")
 
 
+def _is_gpu(device: dict) -> bool:
+    name = f"{device.get('name', '')} {device.get('type', '')} {device.get('arch', '')}".lower()
+    return bool(device.get("name")) and "cpu" not in name and "interpret" not in name
+
+
 def conformance_lines(report_path: Path | None, ops: tuple) -> list:
-    """One line per (op, implementation) from a ``graft conformance`` JSON report."""
+    """What a conformance report shows for ``ops``, naming the device; [] without a report."""
     if report_path is None:
-        return [f"Conformance: not attached. Run `graft conformance --op {' --op '.join(ops)}`",
-                "and regenerate with --conformance <report.json> to include the results."]
+        return []
     try:
         report = json.loads(Path(report_path).read_text())
         cases = report["cases"]
@@ -30,40 +40,72 @@ def conformance_lines(report_path: Path | None, ops: tuple) -> list:
             continue
         for impl in case.get("impls", []):
             key = (case["op"], impl.get("backend"))
-            row = rows.setdefault(key, {"pass": 0, "total": 0, "max_abs": 0.0, "speedups": []})
+            row = rows.setdefault(key, {"pass": 0, "skip": 0, "total": 0, "max_abs": 0.0, "speedups": [],
+                                        "reasons": set()})
             row["total"] += 1
-            row["pass"] += impl.get("status") == "pass"
+            status = impl.get("status")
+            row["pass"] += status == "pass"
+            if status == "skip" or status == "skipped":
+                row["skip"] += 1
+                if impl.get("reason"):
+                    row["reasons"].add(str(impl["reason"]))
             row["max_abs"] = max(row["max_abs"], impl.get("max_abs") or 0.0)
             row["speedups"] += [v for v in (impl.get("speedups") or {}).values() if v]
     if not rows:
-        return [f"Conformance: the attached report has no results for {', '.join(ops)}."]
-    meta = report.get("meta", {})
-    device = meta.get("device", {})
-    lines = [f"Conformance (graft {meta.get('graft_version', '?')}, device {device.get('name', '?')} "
-             f"{device.get('arch', '')}, speedup = baseline time / kernel time, device-specific):"]
+        return [f"The attached conformance report has no results for {', '.join(ops)}."]
+    device = report.get("meta", {}).get("device", {})
+    gpu = _is_gpu(device)
+    where = (f"{device.get('name')} {device.get('arch', '')}".strip() if gpu
+             else "CPU, Triton interpreter, numerics only")
+    lines = [f"Numerics against a PyTorch reference ({where}):"]
     for (op, backend), row in sorted(rows.items()):
-        speed = ""
-        if row["speedups"]:
+        if row["skip"] == row["total"]:
+            why = f": {'; '.join(sorted(row['reasons']))}" if row["reasons"] else ""
+            lines.append(f"  {op} [{backend}]: skipped{why}")
+            continue
+        ran = row["total"] - row["skip"]
+        text = f"  {op} [{backend}]: {row['pass']}/{ran} cases pass, max abs err {row['max_abs']:.3g}"
+        if row["skip"]:
+            text += f" ({row['skip']} skipped)"
+        if gpu and row["speedups"]:
             s = sorted(row["speedups"])
-            speed = f", speedup median {s[len(s) // 2]:.2f}x (min {s[0]:.2f}x, max {s[-1]:.2f}x)"
-        lines.append(f"  {op} [{backend}]: {row['pass']}/{row['total']} cases pass, "
-                     f"max abs err {row['max_abs']:.3g}{speed}")
+            text += (f", speedup vs PyTorch median {s[len(s) // 2]:.2f}x "
+                     f"(min {s[0]:.2f}x, max {s[-1]:.2f}x)")
+        lines.append(text)
     return lines
 
 
-def render(template: PatchTemplate, version: str, conformance: Path | None) -> str:
-    parts = [
-        template.subject,
-        template.body.strip(),
-        f"Written for {template.framework} {template.supported}; generated against {template.framework} {version}.",
-        "\n".join(conformance_lines(conformance, template.ops)),
-        "\n".join([
-            f"Generated-by: graft {__version__} (graft patches generate)",
+def _wrap(text: str) -> str:
+    paragraphs = [p for p in textwrap.dedent(text).strip().split("\n\n") if p.strip()]
+    return "\n\n".join(p if p.lstrip().startswith(("-", "*", " ")) else textwrap.fill(" ".join(p.split()), 72)
+                       for p in paragraphs)
+
+
+def testing_section(template: PatchTemplate, conformance: Path | None) -> str:
+    lines = ["Testing:"]
+    if template.tests:
+        lines.append("  pytest " + " ".join(template.tests))
+    lines += conformance_lines(conformance, template.ops)
+    if conformance is None:
+        lines.append("The tests run on CUDA/ROCm GPUs and, with TRITON_INTERPRET=1, on CPU")
+        lines.append("(Triton interpreter, numerics only). No GPU measurements are attached,")
+        lines.append("so this makes no performance claim.")
+    return "\n".join(lines)
+
+
+def render(template: PatchTemplate, version: str, conformance: Path | None, title: str | None = None,
+           graft_trailers: bool = False) -> str:
+    parts = [title or template.subject]
+    if template.motivation:
+        parts.append(_wrap(template.motivation))
+    parts.append(_wrap(template.body))
+    parts.append(testing_section(template, conformance))
+    if graft_trailers:
+        parts.append("\n".join([
             f"Graft-Template: {template.name}",
             f"Graft-Upstream: {template.framework} {template.supported}",
             *(f"Graft-Import-Check: {m}" for m in template.import_checks),
-        ]),
-    ]
+        ]))
     return "\n\n".join(parts) + "\n"
 
 

@@ -91,7 +91,12 @@ class PatchTemplate:
 
     ``changes`` is a callable so that content (e.g. kernel source extracted from the
     adapter) is rendered at generation time. ``ops`` are the graft ops the patch
-    carries; their conformance results go into the commit message.
+    carries; their conformance results go into the commit message. The message is
+    ``motivation`` (why), ``body`` (what changes) and a testing section; ``tests`` are
+    test files in the upstream tree (the ones the patch adds, then the nearest existing
+    ones) that ``graft patches check`` runs in the patched tree. ``upstream`` names the
+    PR or issue once there is one; ``retire`` is the plan for dropping graft's own
+    adapter code once upstream carries the change.
     """
 
     name: str
@@ -104,6 +109,11 @@ class PatchTemplate:
     import_checks: tuple = ()  # modules that must import from the patched tree
     author: str = "graft <graft@users.noreply.github.com>"
     notes: list = field(default_factory=list)
+    motivation: str = ""
+    tests: tuple = ()
+    test_args: tuple = ()  # extra pytest arguments the project's CI uses for these tests (e.g. -m MARK)
+    upstream: str = "not submitted yet"
+    retire: str = ""
 
     def supports(self, version: str) -> bool:
         return Version(version) in SpecifierSet(self.supported, prereleases=True)

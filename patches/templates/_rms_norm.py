@@ -1,8 +1,13 @@
 """The framework-neutral part of every RMSNorm patch: graft's Triton kernel, lifted from
-``graft.kernels.triton.fused_norm``, and a dependency-free launcher for it."""
+``graft.kernels.triton.fused_norm`` (the very kernel graft's conformance suite checks),
+and a dependency-free launcher for it.
+
+The launcher takes ``weight=None`` (RMSNorm without a learned scale) and launches the
+kernel through ``{launch}``, so a framework can wrap the launch (e.g. ``wrap_triton``).
+The project's own formatter restyles all of it at generation time.
+"""
 from __future__ import annotations
 
-from graft import __version__
 from graft.patches.kernel_source import function_source
 
 KERNEL_MODULE = "graft.kernels.triton.fused_norm"
@@ -10,18 +15,20 @@ KERNEL_NAME = "_rms_norm_kernel"
 
 LAUNCHER = '''
 
-def rms_norm_triton(x, weight, eps, residual=None):
-    """RMSNorm over the last dim, reduced in fp32: ``x * rsqrt(mean(x^2) + eps) * weight``.
+def {name}(x, weight, eps, residual=None):
+    """RMSNorm over the last dim in fp32: ``x * rsqrt(mean(x^2) + eps) * weight``.
 
-    With ``residual`` it is the fused residual-add variant and returns
-    ``(out, residual_out)`` where ``residual_out = x + residual``; else ``(out, None)``.
+    ``weight=None`` means no learned scale. With ``residual`` it is the fused
+    residual-add variant and returns ``(out, x + residual)``; else ``(out, None)``.
     """
     hidden = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    res_out = torch.empty_like(out) if residual is not None else out
     rows = x.numel() // hidden if hidden else 0
     if rows == 0:
         return out, (res_out if residual is not None else None)
+    if weight is None:
+        weight = torch.ones(hidden, dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, hidden)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     r2 = x2
@@ -30,7 +37,7 @@ def rms_norm_triton(x, weight, eps, residual=None):
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     # Rows up to 8192 wide are normalised from registers; wider ones are streamed.
     block = min(triton.next_power_of_2(hidden), 8192)
-    _rms_norm_kernel[(rows,)](
+    {launch}[(rows,)](
         x2, r2, weight.contiguous(), out, res_out,
         hidden, x2.stride(0), r2.stride(0), float(eps),
         HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_TILE=block >= hidden,
@@ -40,18 +47,16 @@ def rms_norm_triton(x, weight, eps, residual=None):
 '''
 
 
-def kernel_and_launcher() -> str:
-    return (
-        f"# Kernel from graft {__version__} ({KERNEL_MODULE}.{KERNEL_NAME}), checked against a\n"
-        f"# torch reference by graft's conformance suite over fp16/bf16/fp32 and odd widths.\n"
-        + function_source(KERNEL_MODULE, KERNEL_NAME)
-        + LAUNCHER
-    )
+def kernel_and_launcher(name: str = "rms_norm_triton", launch: str = KERNEL_NAME) -> str:
+    return function_source(KERNEL_MODULE, KERNEL_NAME) + LAUNCHER.format(name=name, launch=launch)
 
 
-BODY = """\
-Adds a Triton RMSNorm kernel (plain and fused with the residual add) that
-reduces in fp32 with one program per row: rows up to 8192 wide are
-normalised from registers in a single pass, wider rows are streamed in two
-passes, recomputing x + residual in fp32 so the norm sees the unrounded sum.
-It runs on NVIDIA and AMD GPUs through Triton, with no extension build."""
+HOW = """\
+The kernel reduces in fp32 with one program per row: rows up to 8192 wide
+are normalised from registers in a single pass, wider rows are streamed in
+two passes, recomputing x + residual in fp32 so the norm sees the unrounded
+sum. It runs on NVIDIA and AMD GPUs through Triton, with no extension build."""
+
+REMOVAL = ("once a release carries this, graft's own {what} for {framework} checks for it and "
+           "defers to it; the adapter code is then deleted when graft's minimum {framework} version "
+           "includes that release.")

@@ -1,86 +1,184 @@
-"""Megatron-core: graft's Triton RMSNorm as a norm module under ``megatron/core/fusions``,
-usable as a ``ModuleSpec`` norm submodule (``TritonRMSNorm(config, hidden_size, eps)``)."""
+"""Megatron-core: graft's Triton RMSNorm as a trainable norm module, selectable from the local layer spec.
+
+Why: without Transformer Engine or Apex, Megatron-core's local spec normalises with
+``WrappedTorchNorm`` (unfused ``torch.nn.RMSNorm``). graft swaps the norm in from its own
+spec (``graft.adapters.megatron``); upstream, the module needs no adapter.
+
+How: ``megatron/core/fusions/fused_rms_norm_triton.py`` holds the forward kernel and a
+``torch.autograd.Function`` whose backward recomputes the normalisation in fp32 (input and
+weight gradients), so it trains; ``TritonRMSNorm`` has the ``(config, hidden_size, eps)``
+constructor norm submodules are built with, honours ``layernorm_zero_centered_gamma`` and
+marks its weight for sequence-parallel gradient reduction. ``get_gpt_layer_local_spec(
+normalization="TritonRMSNorm")`` selects it. Tests sit under ``tests/unit_tests/fusions``.
+
+Upstream: not submitted yet. Removal plan: see ``retire``.
+"""
 from __future__ import annotations
 
-from graft.patches.kernel_source import function_source
-from graft.patches.template import CreateFile, PatchTemplate
+from graft.patches.template import CreateFile, PatchTemplate, ReplaceText
 from graft.patches.templates import _rms_norm
 
 MODULE_PATH = "megatron/core/fusions/fused_rms_norm_triton.py"
+SPECS_PATH = "megatron/core/models/gpt/gpt_layer_specs.py"
+TEST_PATH = "tests/unit_tests/fusions/test_rms_norm_triton.py"
 
 HEADER = '''\
-# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
-"""Triton RMSNorm module for layer specs (``submodules.input_layernorm`` etc.)."""
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+"""Triton RMSNorm (forward kernel, fp32 backward) as a norm module for layer specs."""
 
 import torch
 import triton
 import triton.language as tl
 
-'''
+from megatron.core.transformer import TransformerConfig
 
-BACKWARD = '''
-
-def rms_norm_backward_triton(dy, x, weight, eps):
-    """(dx, dweight) of ``rms_norm_triton(x, weight, eps)[0]`` for the output gradient ``dy``.
-
-    Each program walks a block of rows and keeps its share of dweight in fp32, one row of
-    a [programs, hidden] buffer that is summed afterwards (no atomics).
-    """
-    hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden).contiguous()
-    dy2 = dy.reshape(-1, hidden).contiguous()
-    rows = x2.shape[0]
-    dx = torch.empty_like(x2)
-    if rows == 0 or hidden == 0:
-        return dx.view(x.shape), torch.zeros_like(weight)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2
-    per = triton.cdiv(rows, min(rows, 2 * sms))
-    programs = triton.cdiv(rows, per)
-    dw = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
-    block = min(triton.next_power_of_2(hidden), 8192)
-    _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, x2, dy2, weight.contiguous(), dx, dw,
-        rows, hidden, per, dy2.stride(0), x2.stride(0), x2.stride(0), dy2.stride(0), float(eps),
-        HAS_RESIDUAL=False, HAS_DRES=False, BLOCK=block, ONE_TILE=block >= hidden, num_warps=8,
-    )
-    return dx.view(x.shape), dw.sum(0).to(weight.dtype)
-
-
-class _TritonRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return rms_norm_triton(x, weight, eps)[0]
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx, dw = rms_norm_backward_triton(dy, x, weight, ctx.eps)
-        return dx, dw, None
 '''
 
 MODULE = '''
 
-class TritonRMSNorm(torch.nn.Module):
-    """RMSNorm with the norm-module signature layer specs build: (config, hidden_size, eps)."""
+class _TritonRMSNormFunction(torch.autograd.Function):
+    """Forward through the Triton kernel; backward recomputes the norm in fp32."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # pylint: disable=arguments-differ
+        """Normalise x with the Triton kernel; keep x and the weight for backward."""
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm(x, weight, eps)[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+        """Gradients for x and the weight, from the norm recomputed in fp32."""
+        x, weight = ctx.saved_tensors
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        x_hat = xf * rstd
+        grad = grad_out.float()
+        grad_x_hat = grad * weight.float()
+        grad_x = rstd * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
+        grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+class TritonRMSNorm(torch.nn.Module):
+    """RMSNorm with a Triton forward kernel, for ModuleSpec norm submodules.
+
+    Args:
+        config (TransformerConfig): params_dtype, sequence_parallel and
+            layernorm_zero_centered_gamma are honoured.
+        hidden_size (int): size of the normalised (last) dimension.
+        eps (float): added to the mean square before the reciprocal square root.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
         super().__init__()
+        del kwargs  # persist_layer_norm etc.: accepted for the norm-module signature, unused
         self.config = config
         self.eps = eps
-        dtype = getattr(config, "params_dtype", None) or torch.float32
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        setattr(self.weight, "sequence_parallel", getattr(config, "sequence_parallel", False))
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TritonRMSNormFunction.apply(x, self.weight, self.eps)
+        """Normalise x over its last dimension and scale by the weight."""
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return _TritonRMSNormFunction.apply(x, weight, self.eps)
+'''
+
+TEST = '''\
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+import os
+
+import pytest
+import torch
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter runs on CPU tensors
+    DEVICE = "cpu"
+else:
+    pytest.skip("needs a GPU, or TRITON_INTERPRET=1", allow_module_level=True)
+
+from megatron.core.fusions.fused_rms_norm_triton import TritonRMSNorm  # noqa: E402
+
+
+def _config(**kwargs):
+    return TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm", **kwargs
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden_size", [64, 769, 9000])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_triton_rms_norm_matches_torch(dtype, hidden_size, zero_centered_gamma):
+    config = _config(params_dtype=dtype, layernorm_zero_centered_gamma=zero_centered_gamma)
+    norm = TritonRMSNorm(config, hidden_size, eps=1e-5).to(DEVICE)
+    ref = torch.nn.RMSNorm(hidden_size, eps=1e-5, dtype=torch.float32, device=DEVICE)
+    with torch.no_grad():
+        norm.weight.normal_(mean=0.0 if zero_centered_gamma else 1.0, std=0.1)
+        ref.weight.copy_(norm.weight.float() + (1 if zero_centered_gamma else 0))
+    x = torch.randn(3, 5, hidden_size, device=DEVICE, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().float().requires_grad_()
+    grad = torch.randn(3, 5, hidden_size, device=DEVICE, dtype=dtype)
+
+    out = norm(x)
+    out.backward(grad)
+    out_ref = ref(x_ref)
+    out_ref.backward(grad.float())
+
+    tols = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), out_ref, **tols)
+    torch.testing.assert_close(x.grad.float(), x_ref.grad, **tols)
+    torch.testing.assert_close(norm.weight.grad.float(), ref.weight.grad, rtol=2e-2, atol=5e-2)
+
+
+def test_sequence_parallel_attribute():
+    norm = TritonRMSNorm(_config(sequence_parallel=False), 64)
+    assert norm.weight.sequence_parallel is False
+
+
+def test_local_spec_selects_triton_rms_norm():
+    spec = get_gpt_layer_local_spec(normalization="TritonRMSNorm")
+    assert spec.submodules.input_layernorm is TritonRMSNorm
+    assert spec.submodules.pre_mlp_layernorm is TritonRMSNorm
+'''
+
+SPEC_OLD = '''    # Adjust for RMS norm.
+    if normalization == "RMSNorm":
+'''
+SPEC_NEW = '''    # Adjust for RMS norm.
+    if normalization == "TritonRMSNorm":
+        from megatron.core.fusions.fused_rms_norm_triton import TritonRMSNorm
+
+        layer_norm = qk_norm = TritonRMSNorm
+    elif normalization == "RMSNorm":
+'''
+DOC_OLD = '''        qk_l2_norm (bool, optional): To use l2 norm for queries/keys. Defaults to False.
+
+    Returns:
+        ModuleSpec: Module specification with Megatron-Core modules
+'''
+DOC_NEW = '''        qk_l2_norm (bool, optional): To use l2 norm for queries/keys. Defaults to False.
+        normalization (str, optional): "RMSNorm" for RMSNorm, "TritonRMSNorm" for the
+            Triton RMSNorm in megatron.core.fusions.fused_rms_norm_triton, else LayerNorm.
+
+    Returns:
+        ModuleSpec: Module specification with Megatron-Core modules
 '''
 
 
 def _changes() -> list:
-    backward_kernel = "\n\n" + function_source(_rms_norm.KERNEL_MODULE, "_rms_norm_bwd_kernel")
-    return [CreateFile(MODULE_PATH, HEADER + _rms_norm.kernel_and_launcher() + backward_kernel + BACKWARD + MODULE)]
+    return [
+        CreateFile(MODULE_PATH, HEADER + _rms_norm.kernel_and_launcher(name="_rms_norm") + MODULE),
+        ReplaceText(SPECS_PATH, SPEC_OLD, SPEC_NEW),
+        ReplaceText(SPECS_PATH, DOC_OLD, DOC_NEW),
+        CreateFile(TEST_PATH, TEST),
+    ]
 
 
 def templates() -> list:
@@ -88,17 +186,33 @@ def templates() -> list:
         PatchTemplate(
             name="megatron-triton-rms-norm",
             framework="megatron",
-            supported=">=0.16,<0.17",
-            subject="Add a Triton RMSNorm module for layer specs",
-            body=_rms_norm.BODY + """
+            supported=">=0.16,<0.18",
+            subject="Add a Triton RMSNorm module, selectable from the local GPT layer spec",
+            motivation="""\
+Without Transformer Engine or Apex, the local spec normalises with
+WrappedTorchNorm (unfused torch.nn.RMSNorm). A Triton RMSNorm gives
+TE-less setups (and GPUs TE does not cover yet) a fused norm for training,
+with no extension build.""",
+            body=_rms_norm.HOW + """
 
-TritonRMSNorm has the (config, hidden_size, eps) constructor that
-ModuleSpec norm submodules are built with, so a spec can use it in place
-of TENorm/WrappedTorchNorm without Transformer Engine or Apex. It trains:
-a Triton backward gives dx per row and dweight from fp32 partial sums per
-block of rows (no atomics).""",
+- megatron/core/fusions/fused_rms_norm_triton.py: TritonRMSNorm, with the
+  (config, hidden_size, eps) constructor of norm submodules; forward runs
+  the kernel, backward recomputes the norm in fp32 for the input and
+  weight gradients; honours layernorm_zero_centered_gamma and marks the
+  weight for sequence-parallel gradient reduction.
+- get_gpt_layer_local_spec(normalization="TritonRMSNorm") selects it for
+  the layer norms and the q/k norms.
+- tests/unit_tests/fusions/test_rms_norm_triton.py: forward and both
+  gradients against torch.nn.RMSNorm (fp32/bf16, odd and >8192 widths,
+  zero-centred gamma) and the spec selection.""",
             changes=_changes,
             ops=("fused.rms_norm",),
-            import_checks=("megatron.core.fusions.fused_rms_norm_triton",),
+            import_checks=("megatron.core.fusions.fused_rms_norm_triton", "megatron.core.models.gpt.gpt_layer_specs"),
+            tests=(TEST_PATH, "tests/unit_tests/transformer/test_spec_customization.py"),
+            # tests/unit_tests/conftest.py needs Transformer Engine (is_te_min_version in an autouse
+            # fixture) and downloads test data; these tests need neither.
+            test_args=("--noconftest",),
+            retire=_rms_norm.REMOVAL.format(what="norm override in graft.adapters.megatron's layer spec",
+                                            framework="Megatron-core"),
         )
     ]

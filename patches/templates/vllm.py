@@ -1,85 +1,292 @@
-"""vLLM: graft's Triton RMSNorm as an implementation of vLLM's IR ops.
+"""vLLM: graft's Triton RMSNorm on ``RMSNorm.forward_cuda``, opt-in with ``VLLM_USE_TRITON_RMS_NORM=1``.
 
-vLLM 0.33 routes ``RMSNorm`` through IR ops (``vllm.ir.ops.rms_norm`` and
-``fused_add_rms_norm``) whose providers live in ``vllm/kernels/``; the patch adds a
-provider module there and imports it with the other Triton kernels.
+Why: graft serves ``fused.rms_norm`` to vLLM from its own plugin (``graft.adapters.vllm``);
+upstream, the kernel needs no plugin and reaches every model using ``RMSNorm``.
+
+How: vLLM 0.33 deprecates its IR-op providers ("vLLM IR is being removed", v0.34 drops
+``--ir-op-priority``), so the patch does not register an IR provider. It wires the kernel
+the way vLLM selects other kernels: a switch in the ``RMSNorm`` CustomOp's ``forward_cuda``
+(next to the ``VLLM_BATCH_INVARIANT`` branch), read once in ``__init__`` from a new
+``vllm.envs`` variable. The launches are vLLM custom ops (``direct_register_custom_op``
+with fake implementations, as ``layernorm.py`` does for ``fla_rms_norm_gated``), so
+``torch.compile`` and vLLM's compile passes see one op each, and ``weight=None``
+(``RMSNorm(has_weight=False)``) is handled. Tests follow ``tests/kernels/core``.
+
+Upstream: not submitted yet (PR link goes in ``PatchTemplate.upstream``).
+Removal plan: see ``retire`` below.
 """
 from __future__ import annotations
 
 from graft.patches.template import CreateFile, PatchTemplate, ReplaceText
 from graft.patches.templates import _rms_norm
 
-PROVIDER = "triton_rms"
-MODULE_PATH = "vllm/kernels/triton/rms_norm.py"
+ENV = "VLLM_USE_TRITON_RMS_NORM"
+MODULE_PATH = "vllm/model_executor/layers/triton_rms_norm.py"
+LAYERNORM_PATH = "vllm/model_executor/layers/layernorm.py"
+ENVS_PATH = "vllm/envs.py"
+TEST_PATH = "tests/kernels/core/test_triton_rms_norm.py"
 
-HEADER = '''\
+MODULE_HEADER = '''\
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Triton RMSNorm implementations of the ``rms_norm`` and ``fused_add_rms_norm`` IR ops.
+"""Triton RMSNorm, plain and fused with the residual add.
 
-Select them with ``kernel_config.ir_op_priority`` (provider ``"{provider}"``).
+``RMSNorm.forward_cuda`` uses it when ``VLLM_USE_TRITON_RMS_NORM=1``. The launches
+are registered as ``torch.ops.vllm.triton_rms_norm`` and
+``torch.ops.vllm.triton_fused_add_rms_norm`` with fake implementations, so
+``torch.compile`` traces each as a single op.
 """
 
 import torch
-from torch import Tensor
 
-from vllm import ir
-from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
-
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from vllm.utils.torch_utils import direct_register_custom_op
 
 '''
 
-REGISTRATION = '''
+MODULE_OPS = '''
 
-def _supports(x, weight, epsilon, variance_size=None):
-    # The kernel normalises over the whole last dim and needs a weight of x's dtype.
-    return (
-        variance_size is None
-        and weight is not None
-        and x.dtype in _SUPPORTED_DTYPES
-        and weight.dtype == x.dtype
-        and x.dim() >= 1
-        and x.shape[-1] > 0
+def _triton_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, epsilon: float
+) -> torch.Tensor:
+    return _launch(x, weight, epsilon)[0]
+
+
+def _triton_rms_norm_fake(
+    x: torch.Tensor, weight: torch.Tensor | None, epsilon: float
+) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _triton_fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(x, weight, epsilon, residual)
+
+
+def _triton_fused_add_rms_norm_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out, torch.empty_like(out)
+
+
+direct_register_custom_op(
+    op_name="triton_rms_norm",
+    op_func=_triton_rms_norm,
+    fake_impl=_triton_rms_norm_fake,
+)
+direct_register_custom_op(
+    op_name="triton_fused_add_rms_norm",
+    op_func=_triton_fused_add_rms_norm,
+    fake_impl=_triton_fused_add_rms_norm_fake,
+)
+
+
+def triton_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    epsilon: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of ``x`` (of ``x + residual``, also returned, when given)."""
+    if residual is None:
+        return torch.ops.vllm.triton_rms_norm(x, weight, epsilon)
+    return torch.ops.vllm.triton_fused_add_rms_norm(x, residual, weight, epsilon)
+'''
+
+TEST = '''\
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests for the Triton RMSNorm behind VLLM_USE_TRITON_RMS_NORM.
+
+Run on CUDA-alike GPUs, and on CPU with TRITON_INTERPRET=1 (Triton interpreter).
+"""
+
+import os
+
+import pytest
+import torch
+
+import vllm.model_executor.layers.layernorm as layernorm
+import vllm.model_executor.layers.triton_rms_norm as triton_rms_norm_module
+from tests.kernels.utils import opcheck
+from vllm import ir
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON
+
+if current_platform.is_cuda_alike():
+    DEVICES = ["cuda:0"]
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICES = ["cpu"]
+else:
+    pytest.skip(
+        "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 on CPU",
+        allow_module_level=True,
+    )
+
+# Nothing here initialises distributed state or device memory to clean up.
+pytestmark = pytest.mark.skip_global_cleanup
+
+DTYPES = [torch.half, torch.bfloat16, torch.float]
+NUM_TOKENS = [1, 7]
+HIDDEN_SIZES = [8, 769, 9000]  # 9000 > 8192: the two-pass streamed path
+
+
+@pytest.fixture(autouse=True)
+def _triton_without_driver(monkeypatch):
+    # Without a GPU driver vllm.triton_utils hands out placeholders; the Triton
+    # interpreter needs no driver, so bind the real Triton for CPU runs.
+    if HAS_TRITON:
+        return
+    triton = pytest.importorskip("triton")
+    module = triton_rms_norm_module
+    monkeypatch.setattr(module, "triton", triton)
+    monkeypatch.setattr(module, "tl", triton.language)
+    monkeypatch.setattr(module, "_rms_norm_kernel", triton.jit(module._rms_norm_kernel))
+
+
+@pytest.fixture
+def vllm_config():
+    # Name the device: VllmConfig() cannot infer it on a CPU-only machine.
+    device = DeviceConfig(device=DEVICES[0].split(":")[0])
+    with set_current_vllm_config(VllmConfig(device_config=device)):
+        yield
+
+
+def _reference(x, weight, eps, residual=None):
+    xf = x.float() if residual is None else x.float() + residual.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype), xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+@pytest.mark.parametrize("add_residual", [False, True])
+@pytest.mark.parametrize("has_weight", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+@torch.inference_mode()
+def test_triton_rms_norm(
+    num_tokens, hidden_size, add_residual, has_weight, dtype, device
+):
+    torch.manual_seed(0)
+    torch.set_default_device(device)
+    x = torch.randn(num_tokens, hidden_size, dtype=dtype)
+    weight = torch.randn(hidden_size, dtype=dtype) if has_weight else None
+    residual = torch.randn_like(x) if add_residual else None
+    tol = ir.ops.rms_norm.get_tolerance(dtype)
+
+    got = triton_rms_norm_module.triton_rms_norm(x, weight, 1e-6, residual)
+    ref, ref_residual = _reference(x, weight, 1e-6, residual)
+    if add_residual:
+        got, got_residual = got
+        torch.testing.assert_close(got_residual, ref_residual, **tol)
+    torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_rms_norm_opcheck(device):
+    torch.set_default_device(device)
+    x = torch.randn(7, 64, dtype=torch.float)
+    weight = torch.randn(64, dtype=torch.float)
+    opcheck(torch.ops.vllm.triton_rms_norm, (x, weight, 1e-6))
+    opcheck(torch.ops.vllm.triton_rms_norm, (x, None, 1e-6))
+    opcheck(
+        torch.ops.vllm.triton_fused_add_rms_norm,
+        (x, torch.randn_like(x), weight, 1e-6),
     )
 
 
-def _supports_add(x, x_residual, weight, epsilon, variance_size=None):
-    return _supports(x, weight, epsilon, variance_size) and x_residual.shape == x.shape
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("device", DEVICES)
+@torch.inference_mode()
+def test_rms_norm_forward_cuda_dispatch(vllm_config, monkeypatch, enabled, device):
+    monkeypatch.setenv("VLLM_USE_TRITON_RMS_NORM", "1" if enabled else "0")
+    calls = []
+    original = layernorm.triton_rms_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layernorm, "triton_rms_norm", spy)
+    torch.set_default_device(device)
+    layer = RMSNorm(256).to(dtype=torch.float)
+    layer.weight.data.normal_(mean=1.0, std=0.1)
+    x = torch.randn(5, 256, dtype=torch.float)
+    residual = torch.randn_like(x)
+
+    torch.testing.assert_close(layer.forward_cuda(x), layer.forward_native(x))
+    out, res = layer.forward_cuda(x, residual.clone())
+    ref_out, ref_res = layer.forward_native(x, residual.clone())
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(res, ref_res)
+    assert len(calls) == (2 if enabled else 0)
 
 
-@ir.ops.rms_norm.register_impl(
-    "{provider}", supports_args=_supports, supported=current_platform.is_cuda_alike()
-)
-def rms_norm(
-    x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None
-) -> Tensor:
-    return rms_norm_triton(x, weight, epsilon)[0]
-
-
-@ir.ops.fused_add_rms_norm.register_impl(
-    "{provider}", supports_args=_supports_add, supported=current_platform.is_cuda_alike()
-)
-def fused_add_rms_norm(
-    x: Tensor,
-    x_residual: Tensor,
-    weight: Tensor | None,
-    epsilon: float,
-    variance_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    return rms_norm_triton(x, weight, epsilon, residual=x_residual)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_triton_skips_variance_size_override(
+    vllm_config, monkeypatch, device
+):
+    monkeypatch.setenv("VLLM_USE_TRITON_RMS_NORM", "1")
+    torch.set_default_device(device)
+    assert RMSNorm(64).use_triton
+    assert not RMSNorm(64, var_hidden_size=32).use_triton
 '''
 
-INIT_PATH = "vllm/kernels/triton/__init__.py"
+ENV_DOC = f'''    # Use the Triton RMSNorm kernel in RMSNorm.forward_cuda instead of the
+    # default implementation (no compiled extension needed, e.g. on new GPUs).
+    "{ENV}": lambda: bool(int(os.getenv("{ENV}", "0"))),
+'''
 
 
 def _changes() -> list:
-    content = HEADER.format(provider=PROVIDER) + _rms_norm.kernel_and_launcher() + REGISTRATION.format(provider=PROVIDER)
+    module = (MODULE_HEADER + _rms_norm.kernel_and_launcher(name="_launch") + MODULE_OPS)
     return [
-        CreateFile(MODULE_PATH, content),
-        ReplaceText(INIT_PATH, "from . import activation\n", "from . import activation, rms_norm\n"),
-        ReplaceText(INIT_PATH, '__all__ = ["activation"]', '__all__ = ["activation", "rms_norm"]'),
+        CreateFile(MODULE_PATH, module),
+        CreateFile(TEST_PATH, TEST),
+        ReplaceText(ENVS_PATH, "    VLLM_BATCH_INVARIANT: bool = False\n",
+                    f"    VLLM_BATCH_INVARIANT: bool = False\n    {ENV}: bool = False\n"),
+        ReplaceText(ENVS_PATH,
+                    '    "VLLM_BATCH_INVARIANT": lambda: bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0"))),\n',
+                    '    "VLLM_BATCH_INVARIANT": lambda: bool(int(os.getenv("VLLM_BATCH_INVARIANT", "0"))),\n'
+                    + ENV_DOC),
+        ReplaceText(LAYERNORM_PATH,
+                    "from vllm.model_executor.determinism.batch_invariant import rms_norm_batch_invariant\n",
+                    "from vllm.model_executor.determinism.batch_invariant import rms_norm_batch_invariant\n"
+                    "from vllm.model_executor.layers.triton_rms_norm import triton_rms_norm\n"),
+        ReplaceText(LAYERNORM_PATH,
+                    "        self.pass_weight = self.has_weight\n        self.pass_weight_add = self.has_weight\n",
+                    "        self.pass_weight = self.has_weight\n        self.pass_weight_add = self.has_weight\n"
+                    f"        # Opt-in Triton kernel for forward_cuda; it normalises the whole last dim.\n"
+                    f"        self.use_triton = (\n"
+                    f"            envs.{ENV} and self.variance_size_override is None\n"
+                    f"        )\n"),
+        ReplaceText(LAYERNORM_PATH,
+                    "                residual=residual,\n            )\n\n        return self.forward_native(x, residual)\n",
+                    "                residual=residual,\n            )\n\n"
+                    "        if self.use_triton:\n"
+                    "            pass_weight = (\n"
+                    "                self.pass_weight_add if residual is not None else self.pass_weight\n"
+                    "            )\n"
+                    "            return triton_rms_norm(\n"
+                    "                x,\n"
+                    "                self.weight.data if pass_weight else None,\n"
+                    "                self.variance_epsilon,\n"
+                    "                residual,\n"
+                    "            )\n\n"
+                    "        return self.forward_native(x, residual)\n"),
     ]
 
 
@@ -88,17 +295,31 @@ def templates() -> list:
         PatchTemplate(
             name="vllm-triton-rms-norm",
             framework="vllm",
-            supported=">=0.33,<0.34",
-            subject="Add Triton RMSNorm provider for the rms_norm IR ops",
-            body=_rms_norm.BODY + f"""
+            supported=">=0.33,<0.35",
+            subject="Add a Triton RMSNorm kernel to RMSNorm.forward_cuda",
+            motivation=f"""\
+RMSNorm's CUDA path needs vLLM's compiled _C kernels (or AITER on ROCm).
+A Triton kernel gives every CUDA-alike platform Triton supports a fused
+RMSNorm (plain and with the residual add) without an extension build, and
+an alternative to compare against. It is opt-in ({ENV}=1), so the default
+path is unchanged.""",
+            body=_rms_norm.HOW + f"""
 
-Registered as provider "{PROVIDER}" for both vllm.ir.ops.rms_norm and
-vllm.ir.ops.fused_add_rms_norm, with the same schema as the native
-implementation; it is only eligible on CUDA-alike platforms and for
-inputs without variance_size (supports_args), and is opt-in through
-kernel_config.ir_op_priority like the other providers.""",
+- vllm/model_executor/layers/triton_rms_norm.py: the kernel, registered as
+  torch.ops.vllm.triton_rms_norm and torch.ops.vllm.triton_fused_add_rms_norm
+  with fake implementations, so torch.compile traces each as one op;
+  weight=None (RMSNorm(has_weight=False)) is supported.
+- RMSNorm.forward_cuda: uses it when {ENV}=1 (read once at
+  construction), except with var_hidden_size, which it does not cover.
+- vllm/envs.py: {ENV} (default 0).
+- {TEST_PATH}: numerics against a float32 reference (fp16/bf16/fp32,
+  odd and >8192 widths, with and without weight/residual), opcheck of both
+  ops, and the forward_cuda dispatch.""",
             changes=_changes,
             ops=("fused.rms_norm",),
-            import_checks=("vllm.kernels.triton.rms_norm",),
+            import_checks=("vllm.model_executor.layers.triton_rms_norm", "vllm.model_executor.layers.layernorm"),
+            tests=(TEST_PATH, "tests/kernels/ir/test_layernorm.py", "tests/test_envs.py"),
+            retire=_rms_norm.REMOVAL.format(what="fused.rms_norm override in graft.adapters.vllm",
+                                            framework="vLLM"),
         )
     ]
