@@ -103,8 +103,14 @@ def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     out = torch.zeros_like(q)
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
+    total_q, total_k = q.shape[0], k.shape[0]
     for b in range(len(starts_q) - 1):
-        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        # Clamped to the packed tensors (out-of-range or decreasing cu_seqlens with the value
+        # checks off): the same bounds the kernels use; rows no sequence covers stay zero.
+        q0 = min(max(starts_q[b], 0), total_q)
+        q1 = min(max(starts_q[b + 1], q0), total_q)
+        k0 = min(max(starts_k[b], 0), total_k)
+        k1 = min(max(starts_k[b + 1], k0), total_k)
         if q1 > q0:
             out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal).to(q.dtype)
     return out

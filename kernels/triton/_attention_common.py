@@ -18,6 +18,18 @@ NEG_BIG = tl.constexpr(-1.0e30)  # constexpr: compiled kernels may only read con
 MAX_HEAD_DIM = 256
 
 
+@triton.jit
+def seq_bounds(cu_seqlens, seq, total):
+    """(start, length) of sequence ``seq`` of a cu_seqlens tensor, clamped to the packed
+    tensor's ``total`` rows: cu_seqlens that are out of range or decreasing (value checks off)
+    can never make a kernel read or write outside it (the reference clamps the same way)."""
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    end = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.maximum(end, start), total)
+    return start, end - start
+
+
 def head_dim_block(head_dim: int) -> int:
     """Head dims are padded (and masked) to a power of two, at least 16 for tl.dot."""
     return max(16, triton.next_power_of_2(head_dim))

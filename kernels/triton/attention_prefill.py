@@ -23,6 +23,7 @@ from graft.kernels.triton._attention_common import (
     head_dim_block,
     head_dim_reason,
     resolve_scale,
+    seq_bounds,
 )
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._dot import dot_f32, dot_flags
@@ -93,7 +94,7 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -119,13 +120,11 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
-    q_start = tl.load(CuSeqlensQ + seq).to(tl.int64)
-    seqlen_q = tl.load(CuSeqlensQ + seq + 1).to(tl.int64) - q_start
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, seq, total_q)
     first_row = tile * BLOCK_M
     if first_row >= seqlen_q:
         return
-    k_start = tl.load(CuSeqlensK + seq).to(tl.int64)
-    seqlen_k = tl.load(CuSeqlensK + seq + 1).to(tl.int64) - k_start
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, seq, total_k)
     kv_head = head // GROUP
 
     rows = first_row + tl.arange(0, BLOCK_M)
@@ -208,7 +207,8 @@ def _prefill(
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, lse):
     """Launch the forward; ``lse`` ([heads, total_q] fp32) is filled when given."""
     total_q, num_heads, head_dim = q.shape
-    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    # Zeros: rows no sequence covers (cu_seqlens that skip rows) are defined, as in the reference.
+    out = torch.zeros((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         if lse is not None:
@@ -219,7 +219,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)
     with on_device(q):
         _prefill_kernel[grid](
-            q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k,
+            q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0],
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             softmax_scale * LOG2E,
             head_dim,

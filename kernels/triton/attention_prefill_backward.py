@@ -22,7 +22,7 @@ import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import per_target, split_tiles, variant
-from graft.kernels.triton._attention_common import LOG2E, head_dim_block
+from graft.kernels.triton._attention_common import LOG2E, head_dim_block, seq_bounds
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device
 from graft.kernels.triton._dot import dot_f32, dot_flags
@@ -38,7 +38,7 @@ TILES = {
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -52,13 +52,11 @@ def _dkdv_kernel(
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
-    k_start = tl.load(CuSeqlensK + seq).to(tl.int64)
-    seqlen_k = tl.load(CuSeqlensK + seq + 1).to(tl.int64) - k_start
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, seq, total_k)
     first_col = tile * BLOCK_N
     if first_col >= seqlen_k:
         return
-    q_start = tl.load(CuSeqlensQ + seq).to(tl.int64)
-    seqlen_q = tl.load(CuSeqlensQ + seq + 1).to(tl.int64) - q_start
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, seq, total_q)
     cols = first_col + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = cols < seqlen_k
@@ -103,7 +101,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, total_q, total_k,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -117,13 +115,11 @@ def _dq_kernel(
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
-    q_start = tl.load(CuSeqlensQ + seq).to(tl.int64)
-    seqlen_q = tl.load(CuSeqlensQ + seq + 1).to(tl.int64) - q_start
+    q_start, seqlen_q = seq_bounds(CuSeqlensQ, seq, total_q)
     first_row = tile * BLOCK_M
     if first_row >= seqlen_q:
         return
-    k_start = tl.load(CuSeqlensK + seq).to(tl.int64)
-    seqlen_k = tl.load(CuSeqlensK + seq + 1).to(tl.int64) - k_start
+    k_start, seqlen_k = seq_bounds(CuSeqlensK, seq, total_k)
     kv_head = head // GROUP
     rows = first_row + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -207,12 +203,12 @@ def _prefill_bwd(
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     with on_device(q):
         _dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), batch, k.shape[1])](
-            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
+            q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], *strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse.stride(0), softmax_scale * LOG2E, softmax_scale, head_dim, **common,
         )
         _dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)](
-            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *strides,
+            q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], *strides,
             dq.stride(0), dq.stride(1),
             lse.stride(0), softmax_scale * LOG2E, softmax_scale, head_dim, **common,
         )
