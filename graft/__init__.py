@@ -28,6 +28,13 @@ def select(op, *args, **kwargs):
     return _select(op, *args, **kwargs)
 
 
+def served_calls(framework=None):
+    """Calls graft served inside frameworks, per ``"<op>:<backend>"`` (see graft.integration)."""
+    from graft.integration import served_calls as _served
+
+    return _served(framework)
+
+
 def explain(op, **query):
     from graft.selection import explain as _explain
 
@@ -44,4 +51,5 @@ __all__ = [
     "call",
     "select",
     "explain",
+    "served_calls",
 ]

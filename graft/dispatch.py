@@ -26,7 +26,14 @@ def select(op: str, *args, **kwargs) -> Implementation:
 
 
 def call(op: str, *args, **kwargs):
-    """Validate the arguments once (the same checks for every backend), then run the selected impl.
+    """Run ``op`` through backend selection; see :func:`run`."""
+    return run(op, *args, **kwargs)[0]
+
+
+def run(op: str, *args, **kwargs):
+    """(result, the Implementation that served it, after any fallback).
+
+    Validate the arguments once (the same checks for every backend), then run the selected impl.
 
     An implementation may find out only when it runs that it cannot serve (a lazy
     extension build that fails, say): it raises GraftUnsupportedError after recording
@@ -38,7 +45,7 @@ def call(op: str, *args, **kwargs):
         spec.validate(*args, **kwargs)
     impl = select(op, *args, **kwargs)
     try:
-        return impl.fn(*args, **kwargs)
+        return impl.fn(*args, **kwargs), impl
     except GraftUnsupportedError as exc:
         if impl.backend == config.REFERENCE_BACKEND or config.parse_bool("GRAFT_STRICT", False):
             raise
@@ -48,4 +55,4 @@ def call(op: str, *args, **kwargs):
             raise
         log.warning("%s: %s (%s) failed at run time: %s; using %s", op, impl.backend, impl.provider, exc,
                     fallback.backend)
-        return fallback.fn(*args, **kwargs)
+        return fallback.fn(*args, **kwargs), fallback

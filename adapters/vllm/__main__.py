@@ -9,7 +9,7 @@ def main() -> int:
     from graft.adapters.vllm.adapter import INTEGRATION
 
     ok, why = INTEGRATION.status()
-    print(f"graft vLLM integration: {'can activate' if ok else 'off'} ({why})")
+    print(f"graft vLLM integration: {'ready' if ok else 'off'} ({why})")
     if INTEGRATION.installed_version() is None:
         return 1
     if not ok:

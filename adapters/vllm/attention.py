@@ -39,7 +39,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from graft.ops import attention as graft_attention
+from graft.adapters.vllm.stats import run
 
 log = logging.getLogger("graft.vllm")
 
@@ -208,13 +208,14 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         nd = m.num_decode_tokens
         if m.num_decodes:
-            out[:nd] = graft_attention.decode_paged(
+            out[:nd] = run(
+                "attention.decode_paged",
                 query[:nd],
                 key_cache,
                 value_cache,
                 m.block_table[: m.num_decodes],
                 m.seq_lens[: m.num_decodes],
-                softmax_scale=self.scale,
+                self.scale,
             )
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
@@ -223,7 +224,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             else:
                 k = key_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
                 v = value_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
-            out[nd:] = graft_attention.prefill(
+            out[nd:] = run(
+                "attention.prefill",
                 q,
                 k,
                 v,
@@ -231,8 +233,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                 m.prefill_cu_seqlens_k,
                 m.prefill_max_seqlen_q,
                 m.prefill_max_seqlen_k,
-                causal=m.causal,
-                softmax_scale=self.scale,
+                m.causal,
+                self.scale,
             )
         return output
 
