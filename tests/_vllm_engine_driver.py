@@ -5,8 +5,8 @@ token ids per model and what graft served (``graft.served_calls``, read from ins
 engine through graft's worker extension). Whether graft is on, which backends serve and
 whether the engine runs in-process is set by the environment the test passes
 (``GRAFT_VLLM``, ``GRAFT_BACKENDS``, ``TRITON_INTERPRET``, ``VLLM_ENABLE_V1_MULTIPROCESSING``).
-The tiny random-weight models are built once per WORKDIR (seeded, so every process of a
-test run serves the same weights); nothing is downloaded.
+The tiny random-weight models are built once per WORKDIR (scenario ``models``, seeded);
+nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -46,9 +46,7 @@ def build_models(workdir: str) -> dict:
     ):
         torch.manual_seed(0)
         model = cls(cfg).to(torch.float32)
-        tmp = paths[name] + ".tmp"
-        model.save_pretrained(tmp)
-        os.replace(tmp, paths[name])  # whole or absent, should two processes race
+        model.save_pretrained(paths[name])
     return paths
 
 
@@ -94,10 +92,10 @@ def main(scenario: str, workdir: str) -> dict:
         return out
     if scenario in ("on", "off"):
         out["status"] = status_command()
-    if scenario in ("on", "off", "mp"):
+    if scenario in ("on", "off"):
         from graft.adapters.vllm import stats
 
-        for name in MODELS if scenario != "mp" else ("mixtral",):
+        for name in MODELS:
             stats.reset()  # in-process engines share this process's counters
             out[name], out[f"{name} served"] = generate(paths[name], [PROMPTS, PREFIX_ROUND], 16)
     if scenario in ("off", "triton"):
