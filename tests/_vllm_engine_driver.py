@@ -73,6 +73,28 @@ def generate(model_path: str, rounds: list, max_tokens: int) -> tuple[list, dict
     return tokens, served
 
 
+def bf16_silu_and_mul() -> dict:
+    """graft's bf16 silu_and_mul rounds once (fp32 math); vLLM's forward_native rounds silu(gate) first.
+
+    (vLLM's compiled CPU kernel is not compared: on a CPU without AVX512-BF16 its bf16 path
+    dies with an illegal instruction.)
+    """
+    import torch
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    from graft.ops import fused
+
+    x = (torch.randn(64, 512, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    gate, up = x[:, :256].float(), x[:, 256:].float()
+    once = (torch.nn.functional.silu(gate) * up).bfloat16()
+    twice = (torch.nn.functional.silu(gate).bfloat16().float() * up).bfloat16()
+    return {
+        "graft rounds once": bool(torch.equal(fused.silu_and_mul(x), once)),
+        "vllm rounds twice": bool(torch.equal(SiluAndMul.forward_native(x), twice)),
+        "elements that differ": int((once != twice).sum()),
+    }
+
+
 def status_command() -> dict:
     """``python -m graft.adapters.vllm`` run in this process (its output and exit code)."""
     buffer = io.StringIO()
@@ -98,6 +120,8 @@ def main(scenario: str, workdir: str) -> dict:
         for name in MODELS:
             stats.reset()  # in-process engines share this process's counters
             out[name], out[f"{name} served"] = generate(paths[name], [PROMPTS, PREFIX_ROUND], 16)
+    if scenario == "off":
+        out["bf16 silu_and_mul"] = bf16_silu_and_mul()
     if scenario in ("off", "triton"):
         out["llama short"], out["llama short served"] = generate(paths["llama"], [SHORT], 4)
     from graft.adapters.vllm import plugin

@@ -144,6 +144,13 @@ def test_every_part_served_by_torch_backend(engines, model, parts):
     assert engines["off"][f"{model} served"] == {}  # graft off: nothing of graft's ran
 
 
+def test_bf16_silu_and_mul_rounds_once(engines):
+    # A documented choice (README, "Numerics"): graft rounds silu(gate) * up once, vLLM twice.
+    result = engines["off"]["bf16 silu_and_mul"]
+    assert result["graft rounds once"] and result["vllm rounds twice"], result
+    assert result["elements that differ"] > 0
+
+
 def test_triton_interpreted(engines):
     assert engines["triton"]["llama short"] == engines["off"]["llama short"]
     served = engines["triton"]["llama short served"]
