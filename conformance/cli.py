@@ -1,7 +1,9 @@
 """``graft conformance``: run the conformance suite and write the report.
 
 Exit status: 0 all numerics passed, 1 any numerics failure or error, 2 usage error
-(unknown op/family/backend/dtype/tag, no GPU for --device cuda, nothing selected).
+(unknown op/family/backend/dtype/tag, no GPU for --device cuda, nothing selected, an --out
+that cannot be written, gpu-sized cases on the CPU without --allow-slow). Usage errors are
+found before anything runs.
 """
 from __future__ import annotations
 
@@ -36,6 +38,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="input seed")
     parser.add_argument("--json-only", action="store_true", help="write report.json only")
     parser.add_argument("--quiet", action="store_true", help="no per-case progress lines")
+    parser.add_argument("--allow-slow", action="store_true",
+                        help="run gpu-sized cases (--tags gpu) on the CPU anyway (Triton interpreted: tens of minutes)")
+
+
+def check_out_dir(path: str) -> None:
+    """Refuse an --out that is a file or cannot be created/written, before the run starts."""
+    import os
+    import tempfile
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise GraftConfigError(f"--out {path!r} exists and is not a directory; name a directory for the report")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".graft-write-check-"):
+            pass
+    except OSError as exc:
+        raise GraftConfigError(f"--out {path!r} cannot be written: {exc.strerror or exc}") from None
 
 
 def _dtypes(names) -> tuple:
@@ -75,6 +94,10 @@ def run(args) -> int:
     from graft.plugins import get_host
 
     options = options_from_args(args)
+    check_out_dir(args.out)
+    if "gpu" in options.tags and torch.device(options.device).type == "cpu" and not args.allow_slow:
+        raise GraftConfigError("--tags gpu selects benchmark-sized cases; on the CPU (Triton interpreted) they take "
+                               "tens of minutes. Run them with --device cuda on a GPU, or pass --allow-slow")
     if enable_cpu_interpreter(options.device):
         print("TRITON_INTERPRET=1 set: Triton kernels run in the CPU interpreter (numerics only)", flush=True)
     host = get_host()
@@ -87,6 +110,9 @@ def run(args) -> int:
     runner = Runner(host=host, options=options, log=log)
     if not any(runner.case_dtypes(c) for c in runner.cases()):
         raise GraftConfigError("no conformance cases match the given --op/--family/--tags/--dtype")
+    if options.impls and set(options.impls) <= {"torch"}:
+        raise GraftConfigError("--impl torch: torch is the reference every implementation is checked against; "
+                               "name a backend to check (e.g. --impl triton)")
     report = runner.run()
     paths = write_reports(report, args.out, json_only=args.json_only)
     print()

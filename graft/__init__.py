@@ -28,11 +28,35 @@ def select(op, *args, **kwargs):
     return _select(op, *args, **kwargs)
 
 
+def reload_config():
+    """Read the GRAFT_* environment variables again (they are read once, on first use)."""
+    from graft.config import reload
+
+    return reload()
+
+
+def override_config(values=None, **variables):
+    """Context manager: set (None: unset) GRAFT_* variables for a block, then restore them."""
+    from graft.config import override
+
+    return override(values, **variables)
+
+
 def served_calls(framework=None):
-    """Calls graft served inside frameworks, per ``"<op>:<backend>"`` (see graft.integration)."""
+    """What graft served inside each framework integration: ``{framework: {"op:backend": n}}``,
+    or one framework's dict when ``framework`` is given."""
     from graft.integration import served_calls as _served
 
     return _served(framework)
+
+
+def __getattr__(name):
+    # `import graft; graft.ops.gemm.linear(...)` works without importing graft.ops first.
+    if name == "ops":
+        import importlib
+
+        return importlib.import_module("graft.ops")
+    raise AttributeError(f"module 'graft' has no attribute {name!r}")
 
 
 def explain(op, **query):
@@ -51,5 +75,7 @@ __all__ = [
     "call",
     "select",
     "explain",
+    "reload_config",
+    "override_config",
     "served_calls",
 ]

@@ -22,14 +22,26 @@ Variables (all optional; values are comma-separated, case-insensitive, spaces ig
 ``GRAFT_LOG_LEVEL``
     Log level of the ``graft`` logger (``DEBUG``, ``INFO``, ``WARNING``...).
 
+An empty value means the same as an unset variable (its default), for every variable.
+
+The variables are read once, on first use, into a :class:`Snapshot`; changing
+``os.environ`` afterwards has no effect until :func:`reload` (``graft.reload_config()``).
+:func:`override` changes them temporarily (tests, benchmarks)::
+
+    with graft.override_config(GRAFT_BACKENDS="torch"):
+        ...
+
 Other modules declare their own variables with :func:`declare_env_var` so that
 ``graft info`` can list them and flag unknown (probably misspelt) ``GRAFT_*`` names.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping
 
 from graft.errors import GraftConfigError
 
@@ -37,7 +49,7 @@ DEFAULT_BACKEND_PRIORITY = ("hip", "triton", "torch")
 REFERENCE_BACKEND = "torch"
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 # name -> one-line description; filled by declare_env_var.
 KNOWN_ENV_VARS: dict[str, str] = {}
@@ -71,11 +83,17 @@ def split_list(value: str | None) -> list[str]:
 
 
 def parse_bool(name: str, default: bool = False, environ=None) -> bool:
-    env = os.environ if environ is None else environ
+    """A boolean variable: 1/0, true/false, yes/no, on/off; unset or empty gives ``default``.
+
+    ``environ`` defaults to graft's configuration snapshot (not a fresh read of os.environ).
+    """
+    env = current() if environ is None else environ
     raw = env.get(name)
     if raw is None:
         return default
     value = raw.strip().lower()
+    if not value:
+        return default
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -106,6 +124,7 @@ class Settings:
     overrides: dict = field(default_factory=dict)  # family-or-op name -> (var, tuple of backends)
     disabled: frozenset = frozenset()
     strict: bool = False
+    global_var: str | None = None  # "GRAFT_BACKENDS" when that variable set global_priority
 
     @property
     def disable_all(self) -> bool:
@@ -117,8 +136,7 @@ class Settings:
             return self.overrides[op]
         if family in self.overrides:
             return self.overrides[family]
-        var = "GRAFT_BACKENDS" if "GRAFT_BACKENDS" in os.environ else None
-        return self.global_priority, var
+        return self.global_priority, self.global_var
 
     def is_disabled(self, *names: str) -> str | None:
         for n in names:
@@ -127,10 +145,112 @@ class Settings:
         return None
 
 
+class Snapshot(Mapping):
+    """The ``GRAFT_*`` variables as they were when read: a read-only mapping.
+
+    ``generation`` grows with every :func:`reload`; caches key on it instead of
+    re-reading the environment on every call. Empty values are dropped (empty = unset).
+    """
+
+    def __init__(self, values: dict, generation: int):
+        self._values = values
+        self.generation = generation
+        self.key = tuple(sorted(values.items()))
+
+    def __getitem__(self, name: str) -> str:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Snapshot(generation={self.generation}, {self._values!r})"
+
+
+_snapshot: Snapshot | None = None
+_generation = 0
+_reload_lock = threading.Lock()
+# Called with the new snapshot after every reload (selection drops its cached decisions).
+_listeners: list = []
+
+
+def _read_environ() -> dict:
+    """The non-empty GRAFT_* variables of os.environ, read safely while other threads change it."""
+    for _ in range(100):
+        try:
+            # os.environ iterates its keys and then looks each one up: another thread's
+            # unsetenv in between raises KeyError (or RuntimeError for a resize). Retry.
+            return {k: v for k, v in os.environ.items() if k.startswith("GRAFT_") and v.strip()}
+        except (KeyError, RuntimeError):
+            continue
+    return {k: v for k, v in os.environ.copy().items() if k.startswith("GRAFT_") and v.strip()}
+
+
+def current() -> Snapshot:
+    """graft's configuration: read from the environment on first use, then cached."""
+    snap = _snapshot
+    if snap is not None:  # lock-free fast path: every op call comes through here
+        return snap
+    return reload(_only_if_unread=True)
+
+
+def reload(_only_if_unread: bool = False) -> Snapshot:
+    """Read the ``GRAFT_*`` variables again (``graft.reload_config()``); cached decisions are dropped."""
+    global _snapshot, _generation
+    with _reload_lock:
+        if _only_if_unread and _snapshot is not None:
+            return _snapshot
+        _generation += 1
+        snap = Snapshot(_read_environ(), _generation)
+        _snapshot = snap
+    for listener in list(_listeners):
+        listener(snap)
+    return snap
+
+
+def on_reload(listener: Callable[[Snapshot], None]) -> None:
+    """Call ``listener(snapshot)`` after every :func:`reload` (for caches derived from the config)."""
+    _listeners.append(listener)
+
+
 def env_snapshot(environ=None) -> tuple:
-    """Hashable snapshot of every GRAFT_* variable, used as a cache key."""
-    env = os.environ if environ is None else environ
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith("GRAFT_")))
+    """Hashable snapshot of every GRAFT_* variable (the cached configuration by default)."""
+    if environ is None:
+        return current().key
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith("GRAFT_")))
+
+
+@contextlib.contextmanager
+def override(values: Mapping[str, str | None] | None = None, **variables: str | None) -> Iterator[Snapshot]:
+    """Set (or, with ``None``, unset) ``GRAFT_*`` variables for the duration of a ``with`` block.
+
+    ``os.environ`` is changed too (child processes see the same settings) and restored on
+    exit; graft's configuration is reloaded on entry and exit. Not thread-safe with
+    respect to other threads changing the same variables.
+    """
+    changes = dict(values or {}, **variables)
+    for name in changes:
+        if not name.startswith("GRAFT_"):
+            raise ValueError(f"override() changes GRAFT_* variables only, got {name!r}")
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            _set_env(name, value)
+        yield reload()
+    finally:
+        for name, value in saved.items():
+            _set_env(name, value)
+        reload()
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = str(value)
 
 
 def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, default_priority=None) -> Settings:
@@ -140,11 +260,11 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
     DEFAULT_BACKEND_PRIORITY (an adapter's graft_default_backend_priority hook). Raises GraftConfigError on any
     invalid value, naming the valid choices.
     """
-    env = os.environ if environ is None else environ
+    env = current() if environ is None else environ
     valid_backends = set(valid_backends) | {REFERENCE_BACKEND}
     families = set(ops.values())
 
-    raw_global = env.get("GRAFT_BACKENDS")
+    raw_global = env.get("GRAFT_BACKENDS") or None
     if raw_global is not None and not split_list(raw_global):
         raise GraftConfigError(
             f"GRAFT_BACKENDS is set but empty; give a comma-separated list of: {', '.join(sorted(valid_backends))}"
@@ -162,7 +282,7 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
     overrides = {}
     for name in sorted(families | set(ops)):
         var = op_env_var(name)
-        if var in env:
+        if env.get(var, "").strip():
             backends = split_list(env[var])
             if not backends:
                 raise GraftConfigError(
@@ -180,18 +300,19 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
             f"or ops ({', '.join(sorted(ops))})"
         )
     strict = parse_bool("GRAFT_STRICT", False, env)
-    return Settings(tuple(global_priority), overrides, frozenset(disabled), strict)
+    return Settings(tuple(global_priority), overrides, frozenset(disabled), strict,
+                    "GRAFT_BACKENDS" if raw_global is not None else None)
 
 
 def unknown_env_vars(ops: dict[str, str], environ=None) -> list[str]:
     """GRAFT_* variables set in the environment that nothing reads (likely typos)."""
-    env = os.environ if environ is None else environ
+    env = current() if environ is None else environ
     known = set(KNOWN_ENV_VARS) | {op_env_var(n) for n in set(ops) | set(ops.values())}
     return sorted(k for k in env if k.startswith("GRAFT_") and k not in known)
 
 
 def configure_logging() -> None:
-    level = os.environ.get("GRAFT_LOG_LEVEL")
+    level = current().get("GRAFT_LOG_LEVEL")
     if not level:
         return
     numeric = logging.getLevelName(level.strip().upper())

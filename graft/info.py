@@ -130,7 +130,23 @@ def render_text(report: dict) -> str:
     return "\n".join(lines)
 
 
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _check_device(name: str | None) -> None:
+    if name is None:
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in _DEVICE_TYPES:
+        raise GraftConfigError(f"--device {name!r}: graft decides for {', '.join(_DEVICE_TYPES)} (ROCm GPUs are "
+                               "'cuda' in torch); use --arch to ask about a GPU this machine doesn't have")
+
+
 def run(args) -> int:
+    _check_device(args.device)
     report = collect(device=args.device, dtype=_dtype(args.dtype), ops=args.op, arch=args.arch)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)

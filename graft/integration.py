@@ -51,10 +51,13 @@ class FrameworkIntegration:
 
     def status(self) -> tuple[bool, str]:
         """(can activate, why) without activating."""
-        if "all" in config.split_list(os.environ.get("GRAFT_DISABLE")):
+        if "all" in config.split_list(config.current().get("GRAFT_DISABLE")):
             return False, "GRAFT_DISABLE=all"
         if self.env_var and not config.parse_bool(self.env_var, True):
             return False, f"{self.env_var}=0"
+        invalid = _invalid_config()
+        if invalid:
+            return False, f"graft's configuration is invalid: {invalid}"
         version = self.installed_version()
         if version is None:
             return False, f"{self.distribution} is not installed"
@@ -112,6 +115,19 @@ def importable_version(module: str) -> str | None:
     return "unknown"
 
 
+def _invalid_config() -> str | None:
+    """Why the GRAFT_* selection variables are invalid (every graft op would raise), or None."""
+    from graft.errors import GraftConfigError
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    try:
+        config.load_settings(registry.backends(), registry.families())
+    except GraftConfigError as exc:
+        return str(exc)
+    return None
+
+
 def integrations() -> list:
     from graft.plugins import get_host
 
@@ -144,19 +160,23 @@ class CallCounter:
         self._logged: set = set()
         _counters[framework] = self
 
+    def served(self, op: str, backend: str, n: int = 1) -> None:
+        """Count a call graft served: key ``"<op>:<backend>"``."""
+        self.count(f"{op}:{backend}", n)
+
+    def served_calls(self) -> dict:
+        """``{"<op>:<backend>": n}`` for the calls graft served (fallbacks excluded)."""
+        return {k: v for k, v in self.calls.items() if ":" in k and not k.startswith("fallback.")}
+
+    def fallbacks(self) -> dict:
+        """``{"<what>": n}`` for the calls left to the framework's own code."""
+        return {k[len("fallback."):]: v for k, v in self.calls.items() if k.startswith("fallback.")}
+
     def count(self, key: str, n: int = 1) -> None:
         if torch.compiler.is_compiling():
             torch.ops.graft.integration_count(self.framework, key, n)
         else:
             _record(self.framework, key, n)
-
-    def served(self, op: str, backend: str, n: int = 1) -> None:
-        """Count a call graft served, under ``"<op>:<backend>"``."""
-        self.count(f"{op}:{backend}", n)
-
-    def served_calls(self) -> dict:
-        """``{"<op>:<backend>": calls}`` of what graft served (fallbacks left out)."""
-        return {k: v for k, v in self.calls.items() if not k.startswith("fallback.")}
 
     def fallback(self, what: str, reason: str) -> None:
         """Count ``fallback.<what>`` and log ``reason`` (once per pair)."""
@@ -172,11 +192,13 @@ class CallCounter:
 
 
 def served_calls(framework: str | None = None) -> dict:
-    """What graft served in ``framework`` (``{"<op>:<backend>": calls}``), or in every framework by name."""
+    """What graft served per framework: ``{framework: {"op:backend": n}}`` (or one framework's dict).
+
+    Counters exist for the integrations whose module was imported in this process."""
     if framework is not None:
         counter = _counters.get(framework)
-        return counter.served_calls() if counter is not None else {}
-    return {name: counter.served_calls() for name, counter in _counters.items()}
+        return {} if counter is None else counter.served_calls()
+    return {name: counter.served_calls() for name, counter in sorted(_counters.items())}
 
 
 def _record(framework: str, key: str, n: int) -> None:

@@ -18,6 +18,7 @@ import pluggy
 import torch
 
 from graft import config, hookspecs
+from graft.errors import GraftConfigError, GraftError
 from graft.registry import Implementation, Registry
 
 log = logging.getLogger("graft.plugins")
@@ -34,22 +35,77 @@ class PluginRecord:
     status: str  # "loaded", "disabled" or "failed"
     error: str | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    builtin: bool = False  # one of graft's own adapters (its module is under graft.)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-class _ProviderStampingRegistry:
-    """Registry view handed to one plugin: fills Implementation.provider with the plugin's name."""
+# Backend names only graft's own adapters may register: a third-party plugin cannot displace
+# graft's Triton/HIP kernels or its torch reference (which under GRAFT_DISABLE=all must
+# really be the reference). "torch" is allowed only as an op's own reference function.
+RESERVED_BACKENDS = frozenset({"torch", "triton", "hip"})
 
-    def __init__(self, registry: Registry, plugin_name: str):
+
+class _StagingRegistry:
+    """Registry view handed to one plugin's hook: stamps Implementation.provider with the
+    plugin's name and buffers what the hook registers. The buffer reaches the registry only
+    if the hook returns normally, so a hook that raises half-way registers nothing."""
+
+    def __init__(self, registry: Registry, plugin_name: str, builtin: bool):
         self._registry = registry
         self._plugin_name = plugin_name
+        self._builtin = builtin
+        self._ops: list = []
+        self._impls: list = []
+
+    def add_op(self, spec):
+        if spec.name in self._registry.ops or any(o.name == spec.name for o in self._ops):
+            self._registry.add_op(spec)  # raises its "already defined" error (or accepts the same spec)
+            return spec
+        self._ops.append(spec)
+        return spec
+
+    def add_ops(self, specs) -> None:
+        for spec in specs:
+            self.add_op(spec)
 
     def add_impl(self, impl: Implementation) -> Implementation:
         if not impl.provider:
             impl = dataclasses.replace(impl, provider=self._plugin_name)
-        return self._registry.add_impl(impl)
+        if not self._builtin and impl.backend in RESERVED_BACKENDS:
+            spec = self._registry.ops.get(impl.op) or next((o for o in self._ops if o.name == impl.op), None)
+            if not (impl.backend == "torch" and spec is not None and impl.fn is spec.reference):
+                raise GraftError(
+                    f"plugin {self._plugin_name!r} may not register backend {impl.backend!r} for {impl.op}: "
+                    f"{', '.join(sorted(RESERVED_BACKENDS))} are graft's own backends (a plugin names its "
+                    "backend after its vendor or library, e.g. 'acme')"
+                )
+        if impl.op not in self._registry.ops and not any(o.name == impl.op for o in self._ops):
+            self._registry.add_impl(impl)  # raises its "unknown op" error
+        self._impls.append(impl)
+        return impl
+
+    def commit(self) -> None:
+        """Apply what the hook registered; on a conflict, undo it all and raise."""
+        added_ops, added_impls = [], []
+        try:
+            for spec in self._ops:
+                self._registry.add_op(spec)
+                added_ops.append(spec)
+            for impl in self._impls:
+                if impl.backend == "torch" and any(
+                        i.backend == "torch" and i.fn is impl.fn for i in self._registry.impls.get(impl.op, ())):
+                    continue  # the op's reference is already registered
+                self._registry.add_impl(impl)
+                added_impls.append(impl)
+        except Exception:
+            for impl in added_impls:
+                self._registry.impls[impl.op].remove(impl)
+            for spec in added_ops:
+                self._registry.ops.pop(spec.name, None)
+                self._registry.impls.pop(spec.name, None)
+            raise
 
     def __getattr__(self, name):
         return getattr(self._registry, name)
@@ -69,13 +125,16 @@ class PluginHost:
             self.load_entry_points()
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
-        blocked = set(config.split_list(os.environ.get("GRAFT_DISABLE_PLUGINS")))
-        for ep in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+        blocked = set(config.split_list(config.current().get("GRAFT_DISABLE_PLUGINS")))
+        entry_points = sorted(metadata.entry_points(group=group), key=lambda e: e.name)
+        _check_disabled_plugins(blocked, entry_points)
+        for ep in entry_points:
             if ep.name in self.records:
                 continue  # the same name installed twice: first one wins
             dist = getattr(ep, "dist", None)
             record = PluginRecord(
-                ep.name, ep.value, dist.name if dist else None, dist.version if dist else None, "loaded"
+                ep.name, ep.value, dist.name if dist else None, dist.version if dist else None, "loaded",
+                builtin=ep.value.startswith("graft."),
             )
             self.records[ep.name] = record
             if ep.name.lower() in blocked:
@@ -111,27 +170,43 @@ class PluginHost:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def call_each(self, hook_name: str, **kwargs) -> list:
-        """Call a hook plugin by plugin (pluggy's order), isolating failures.
+        """Call a hook plugin by plugin, isolating failures.
 
-        Returns ``[(plugin_name, result), ...]``. A plugin whose hook raises is
-        reported and skipped, never fatal to the rest.
+        Returns ``[(plugin_name, result), ...]``. A plugin whose hook raises is reported
+        (its record says "failed" and why) and skipped, never fatal to the rest; what it
+        registered before raising is discarded. graft's own adapters run first, so their
+        backends are in place before any third-party plugin's.
         """
         caller = getattr(self.pm.hook, hook_name)
+        hookimpls = list(reversed(caller.get_hookimpls()))
+        hookimpls.sort(key=lambda h: not self._is_builtin(h.plugin_name))  # stable: keeps pluggy's order
         results = []
-        for hookimpl in reversed(caller.get_hookimpls()):
+        for hookimpl in hookimpls:
             name = hookimpl.plugin_name
             call_kwargs = {k: v for k, v in kwargs.items() if k in hookimpl.argnames}
+            staging = None
             if "registry" in call_kwargs:
-                call_kwargs["registry"] = _ProviderStampingRegistry(kwargs["registry"], name)
+                staging = _StagingRegistry(kwargs["registry"], name, self._is_builtin(name))
+                call_kwargs["registry"] = staging
             try:
-                results.append((name, hookimpl.function(**call_kwargs)))
+                result = hookimpl.function(**call_kwargs)
+                if staging is not None:
+                    staging.commit()
+                results.append((name, result))
             except Exception as exc:
                 message = f"{name}.{hook_name} failed: {type(exc).__name__}: {exc}"
                 self.hook_errors.append(message)
-                if name in self.records:
-                    self.records[name].error = message
+                record = self.records.get(name)
+                if record is not None:
+                    record.error = message
+                    if staging is not None:  # its registrations were discarded: it serves nothing
+                        record.status = "failed"
                 log.warning("graft adapter %s", message)
         return results
+
+    def _is_builtin(self, name: str) -> bool:
+        record = self.records.get(name)
+        return record is not None and record.builtin
 
     @property
     def registry(self) -> Registry:
@@ -160,6 +235,26 @@ class PluginHost:
         for _, result in self.call_each(hook_name, **kwargs):
             items.extend(result or [])
         return items
+
+
+# Plugins that define graft itself: without them no op exists, so they cannot be disabled.
+ESSENTIAL_PLUGINS = frozenset({"torch"})
+
+
+def _check_disabled_plugins(blocked: set, entry_points) -> None:
+    names = {ep.name.lower() for ep in entry_points}
+    unknown = sorted(blocked - names)
+    if unknown:
+        raise GraftConfigError(
+            f"GRAFT_DISABLE_PLUGINS: unknown plugin(s) {', '.join(repr(u) for u in unknown)}; "
+            f"installed adapter plugins are: {', '.join(sorted(names))}"
+        )
+    essential = sorted(blocked & ESSENTIAL_PLUGINS)
+    if essential:
+        raise GraftConfigError(
+            f"GRAFT_DISABLE_PLUGINS: {', '.join(repr(e) for e in essential)} defines graft's ops and their torch "
+            "references and cannot be disabled; to run no optimized kernel use GRAFT_DISABLE=all"
+        )
 
 
 _host: PluginHost | None = None
@@ -201,4 +296,5 @@ def reset() -> None:
 
     with _host_lock:
         _host = None
+    config.reload()
     selection.reset_caches()

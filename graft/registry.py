@@ -77,6 +77,18 @@ class Implementation:
     def key(self) -> str:
         return f"{self.op}:{self.backend}:{self.provider}"
 
+    def call_reason(self, args: tuple, kwargs: dict) -> str | None:
+        """The per-call check's reason not to serve these arguments (None: it can serve).
+
+        A check that raises is a reason too, naming the plugin: the next candidate serves.
+        """
+        if self.check is None:
+            return None
+        try:
+            return self.check(*args, **kwargs)
+        except Exception as exc:
+            return f"{self.provider or self.backend}'s check() raised {type(exc).__name__}: {exc}"
+
     def static_reason(self, device_type: str, dtype: torch.dtype | None, arch: str | None) -> str | None:
         """Why this impl cannot serve a (device, dtype, arch) request, or None if it can.
 
@@ -84,7 +96,10 @@ class Implementation:
         a user more than "device type 'cpu' not supported".
         """
         if self.available is not None:
-            reason = self.available()
+            try:
+                reason = self.available()
+            except Exception as exc:  # a plugin's bug must not break the op for every backend
+                return f"{self.provider or self.backend}'s available() raised {type(exc).__name__}: {exc}"
             if reason:
                 return reason
         if device_type not in self.devices:

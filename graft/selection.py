@@ -27,6 +27,7 @@ log = logging.getLogger("graft.selection")
 
 _logged: set = set()
 _static_cache: dict = {}
+_settings_cache: dict = {}  # (registry id, device type, arch, config generation) -> Settings
 
 
 @dataclass
@@ -74,15 +75,26 @@ def _ordered_backends(priority: tuple, default: tuple, registry_backends: set) -
     return order
 
 
+def settings_for(registry: Registry, device_type: str, arch) -> config.Settings:
+    """The parsed selection settings for a device, cached per configuration generation."""
+    generation = config.current().generation
+    key = (id(registry), device_type, arch, generation)
+    settings = _settings_cache.get(key)
+    if settings is None:
+        default = registry.default_priority(device_type, arch) if registry.default_priority else None
+        settings = config.load_settings(registry.backends(), registry.families(), default_priority=default)
+        _settings_cache[key] = settings
+    return settings
+
+
 def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arch):
-    snapshot = config.env_snapshot()
-    key = (id(registry), len(registry.impls.get(op, ())), op, device_type, dtype, arch, snapshot)
+    """Candidates in priority order with their static reasons; cached per config generation."""
+    key = (id(registry), len(registry.impls.get(op, ())), op, device_type, dtype, arch, config.current().generation)
     hit = _static_cache.get(key)
     if hit is not None:
         return hit
     spec = registry.op(op)
-    default = registry.default_priority(device_type, arch) if registry.default_priority else None
-    settings = config.load_settings(registry.backends(), registry.families(), default_priority=default)
+    settings = settings_for(registry, device_type, arch)
     priority, var = settings.priority_for(op, spec.family)
     requested = tuple(priority) if var is not None else ()
     by_backend: dict = {}
@@ -106,7 +118,10 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
             else:
                 reason = impl.static_reason(device_type, dtype, arch)
             candidates.append(Candidate(impl, reason))
-    result = (candidates, var or "default", requested, settings.strict)
+    # Requested backends with no implementation of this op at all: GRAFT_STRICT=1 refuses
+    # to run anything ranked below them.
+    missing = tuple(b for b in requested if b not in by_backend)
+    result = (candidates, var or "default", requested, settings.strict, missing)
     if len(_static_cache) > 4096:
         _static_cache.clear()
     _static_cache[key] = result
@@ -151,19 +166,21 @@ def decide(
     kwargs: dict | None = None,
 ) -> Decision:
     """Choose the implementation for one request. ``args`` enables per-call checks."""
-    static, source, requested, strict = _static_candidates(registry, op, device_type, dtype, arch)
+    static, source, requested, strict, missing = _static_candidates(registry, op, device_type, dtype, arch)
     candidates = []
     selected = None
     for cand in static:
         reason = cand.reason
         if reason is None and args is not None and cand.impl.check is not None:
-            reason = cand.impl.check(*args, **(kwargs or {}))
+            reason = cand.impl.call_reason(args, kwargs or {})
         candidates.append(Candidate(cand.impl, reason))
         if reason is None and selected is None:
             selected = cand.impl
     decision = Decision(op, selected, candidates, source, requested)
     if selected is None:
         raise GraftUnsupportedError(f"no implementation of {op} can serve this request:\n" + _reasons(candidates))
+    if strict:
+        check_missing(op, source, requested, missing, selected.backend)
     # Only candidates ranked above the selected one were really passed over.
     for cand in candidates[: candidates.index(next(c for c in candidates if c.impl is selected))]:
         explicit = cand.impl.backend in requested
@@ -181,6 +198,19 @@ def decide(
     return decision
 
 
+def check_missing(op: str, source: str, requested: tuple, missing: tuple, selected_backend: str) -> None:
+    """Under GRAFT_STRICT=1, refuse when a requested backend ranked above the selected one
+    has no implementation of ``op`` at all."""
+    for backend in requested:
+        if backend == selected_backend:
+            return
+        if backend in missing:
+            raise GraftUnsupportedError(
+                f"{source} asks for backend {backend!r} for {op}, which has no {backend} implementation; "
+                f"GRAFT_STRICT=1 forbids falling back to {selected_backend!r}"
+            )
+
+
 def _reasons(candidates) -> str:
     return "\n".join(f"  - {c.impl.backend} ({c.impl.provider}): {c.reason}" for c in candidates) or "  (no implementations)"
 
@@ -194,11 +224,34 @@ def explain(registry: Registry, op: str, device=None, dtype=None, arch=None) -> 
     try:
         return decide(registry, op, info.type, dtype, info.arch)
     except GraftUnsupportedError:
-        static, source, requested, _ = _static_candidates(registry, op, info.type, dtype, info.arch)
+        static, source, requested, _, _ = _static_candidates(registry, op, info.type, dtype, info.arch)
         return Decision(op, None, list(static), source, requested)
 
 
 def reset_caches() -> None:
     """Forget cached decisions and which messages were logged (tests use this)."""
     _static_cache.clear()
+    _settings_cache.clear()
     _logged.clear()
+    for listener in list(_reset_listeners):
+        listener()
+
+
+# Caches built on top of selection (dispatch's per-call plans) register here.
+_reset_listeners: list = []
+
+
+def on_reset(listener) -> None:
+    _reset_listeners.append(listener)
+
+
+def _on_reload(snapshot) -> None:
+    # Cached decisions are keyed by generation; drop the stale ones now rather than let
+    # them accumulate. Which messages were logged is kept: a reload is not a reset.
+    _static_cache.clear()
+    _settings_cache.clear()
+    for listener in list(_reset_listeners):
+        listener()
+
+
+config.on_reload(_on_reload)

@@ -31,6 +31,9 @@ def free_port() -> int:
 
 def _rank_main(fn, rank, world_size, port, env, args, results):
     os.environ.update(env)
+    import graft
+
+    graft.reload_config()
     try:
         import torch
         import torch.distributed as dist

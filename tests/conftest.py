@@ -11,6 +11,40 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+class _GraftMonkeyPatch(pytest.MonkeyPatch):
+    """pytest's monkeypatch, plus: changing a GRAFT_* variable reloads graft's configuration.
+
+    graft reads its GRAFT_* variables once (a user calls graft.reload_config() after
+    changing them); tests change them all the time, so the reload happens here.
+    """
+
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        _reload_if_graft(name)
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        _reload_if_graft(name)
+
+    def undo(self):
+        super().undo()
+        _reload_if_graft("GRAFT_")
+
+
+def _reload_if_graft(name):
+    import sys
+
+    if str(name).startswith("GRAFT_") and "graft.config" in sys.modules:
+        sys.modules["graft.config"].reload()
+
+
+@pytest.fixture
+def monkeypatch():
+    mp = _GraftMonkeyPatch()
+    yield mp
+    mp.undo()
+
+
 @pytest.fixture
 def fresh_graft(monkeypatch):
     """A clean plugin host and selection caches, with no GRAFT_* variables set."""

@@ -80,3 +80,9 @@ def test_info_lists_framework_integrations_and_their_switches():
     assert rows["deepspeed"]["can_activate"] is True and "0.19" in rows["deepspeed"]["reason"]
     off = json.loads(graft("info", "--json", "--op", "gemm.linear", env={"GRAFT_DISABLE": "all"}).stdout)
     assert all(not i["can_activate"] and i["reason"] == "GRAFT_DISABLE=all" for i in off["integrations"])
+
+
+def test_info_for_an_unknown_device_type_is_a_usage_error():
+    proc = graft("info", "--device", "tpu")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--device 'tpu'" in proc.stderr and "cpu, cuda" in proc.stderr

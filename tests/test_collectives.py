@@ -42,6 +42,9 @@ def reset_graft(**env):
         if key.startswith("GRAFT_") and key not in ("GRAFT_LOG_LEVEL", "GRAFT_DISABLE_PLUGINS"):
             del os.environ[key]
     os.environ.update(env)
+    import graft
+
+    graft.reload_config()
     plugins.reset()
 
 

@@ -4,6 +4,7 @@ tests do not depend on the real kernels; one test runs a real op end to end."""
 import html.parser
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -263,6 +264,28 @@ def test_cli_exit_codes(tiny_host, tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["conformance", "--device", "cuda", "--out", out]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_cli_usage_errors_found_before_the_run(tiny_host, tmp_path, capsys):
+    from graft.cli import main
+
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("not a directory")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    cases = [
+        (["--out", str(a_file)], "exists and is not a directory"),
+        (["--impl", "torch", "--out", str(tmp_path / "r")], "torch is the reference"),
+        (["--tags", "gpu", "--out", str(tmp_path / "r")], "--allow-slow"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((["--out", str(readonly / "sub")], "cannot be written"))
+    for args, message in cases:
+        assert main(["conformance", "--op", OP, "--no-timing", "--quiet", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+    assert a_file.read_text() == "not a directory"
 
 
 # --------------------------------------------------------------------------- pytest plugin

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+import graft
+
 from test_vllm_integration import _run, needs_vllm
 
 HERE = os.path.abspath(__file__)
@@ -85,12 +87,14 @@ def _moe_checks(cfg, checks, calls) -> int:
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         start = len(calls)
         os.environ["GRAFT_MOE_FUSED_EXPERTS"] = "recorder"
+        graft.reload_config()
         with set_forward_context(None, cfg):
             got = layer(x, logits)
         assert calls[start:] == ["moe.fused_experts"], calls[start:]
         checks.close(f"vLLM FusedMoE via graft (recorder) {dtype} T={tokens} shared={with_shared}", got, want, tol, tol)
         if n == 0:  # default selection as well (graft's Triton kernel, interpreted here)
             del os.environ["GRAFT_MOE_FUSED_EXPERTS"]
+            graft.reload_config()
             with set_forward_context(None, cfg):
                 got = layer(x, logits)
                 # vLLM's CPU runner calls its MoE forward directly (no opaque vllm.moe_forward op), so
@@ -102,6 +106,7 @@ def _moe_checks(cfg, checks, calls) -> int:
             ops = {str(op) for graph_ops in explanation.ops_per_graph for op in graph_ops}
             assert any(op.startswith("graft.moe_fused_experts") for op in ops), ops
         os.environ.pop("GRAFT_MOE_FUSED_EXPERTS", None)
+        graft.reload_config()
 
     # A layer graft cannot serve keeps vLLM's method untouched (its CPU kernel needs vllm._C, so not run here).
     biased = FusedMoEFactory(num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
@@ -173,11 +178,13 @@ def scenario_cpu() -> dict:
     out["selected attention backend"] = f"{backend.__module__}.{backend.__qualname__}"
     # A misspelt override must not break vLLM: graft's register() reports it and the other parts stay.
     os.environ["GRAFT_VLLM_ATTENTION_OVERRIDE"] = "nope"
+    graft.reload_config()
     plugin._summary = None
     bad = plugin.activate()
     out["bad override"] = bad["attention"]
     assert bad["moe"] == "registered" and "GRAFT" in AttentionBackendEnum.__members__
     os.environ["GRAFT_VLLM_ATTENTION_OVERRIDE"] = "CPU_ATTN"
+    graft.reload_config()
     assert attention.register()["attention"] == "registered; serves CPU_ATTN"
 
     calls: list = []

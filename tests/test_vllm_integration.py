@@ -169,6 +169,7 @@ def _reset_loader(monkeypatch_env: dict) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    __import__("graft").reload_config()
     vllm.plugins.plugins_loaded = False
     plugin._summary = None
     plugin._warned_off = False  # each gate says why it stays off
@@ -356,11 +357,13 @@ def scenario_active() -> dict:
     os.environ["GRAFT_FUSED"] = "recorder"
     os.environ["GRAFT_GEMM_LINEAR"] = "recorder"
     os.environ["GRAFT_ATTENTION"] = "recorder"
+    __import__("graft").reload_config()
     with set_current_vllm_config(cfg_all):
         RMSNorm(8)(torch.randn(2, 8))
         SiluAndMul()(torch.randn(2, 8))
     assert calls == ["fused.rms_norm", "fused.silu_and_mul"], calls
     os.environ["GRAFT_FUSED"] = "torch"
+    __import__("graft").reload_config()
     with set_current_vllm_config(cfg_all):
         RMSNorm(8)(torch.randn(2, 8))
     assert calls == ["fused.rms_norm", "fused.silu_and_mul"], "GRAFT_FUSED=torch must bypass other backends"

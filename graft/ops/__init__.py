@@ -7,6 +7,7 @@ Modules are discovered, so adding a family module needs no edit here.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 
 
@@ -21,3 +22,10 @@ def all_op_specs() -> list:
     for module in family_modules():
         specs.extend(getattr(module, "OPS", ()))
     return specs
+
+
+def __getattr__(name):
+    # `graft.ops.gemm` works without importing graft.ops.gemm first (as the README shows).
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

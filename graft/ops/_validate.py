@@ -6,9 +6,10 @@ import torch
 from graft import config
 from graft.errors import GraftInputError
 
-config.declare_env_var(
+CHECK_VALUES_VAR = config.declare_env_var(
     "GRAFT_CHECK_VALUES",
-    "0: skip input checks that read tensor values (cu_seqlens, expert ids...), each a device sync on GPUs",
+    "input checks that read tensor values (cu_seqlens, expert ids...): default on for CPU tensors (free), "
+    "off on GPUs (each is a device sync) unless 1 or GRAFT_STRICT=1",
 )
 
 
@@ -17,6 +18,10 @@ def _dtype_name(dtype) -> str:
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False) -> None:
+    # Every op call validates its inputs: the passing case is kept to a few attribute reads.
+    if (isinstance(t, torch.Tensor) and (dtypes is None or t.dtype in dtypes) and (ndim is None or t.ndim == ndim)
+            and device is None and not contiguous):
+        return
     if not isinstance(t, torch.Tensor):
         raise GraftInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -31,30 +36,65 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None, contiguou
 
 
 def check_same_device(**tensors) -> None:
+    first = None
+    for t in tensors.values():
+        if isinstance(t, torch.Tensor):
+            if first is None:
+                first = t.device
+            elif t.device != first:
+                break
+    else:
+        return
     devices = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise GraftInputError(f"inputs must be on one device: {listing}")
+    listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+    raise GraftInputError(f"inputs must be on one device: {listing}")
 
 
 def check_same_dtype(**tensors) -> None:
+    first = None
+    for t in tensors.values():
+        if isinstance(t, torch.Tensor):
+            if first is None:
+                first = t.dtype
+            elif t.dtype != first:
+                break
+    else:
+        return
     dtypes = {name: t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{n}: {_dtype_name(d)}" for n, d in dtypes.items())
-        raise GraftInputError(f"inputs must share a dtype: {listing}")
+    listing = ", ".join(f"{n}: {_dtype_name(d)}" for n, d in dtypes.items())
+    raise GraftInputError(f"inputs must share a dtype: {listing}")
 
 
 def can_read_values(t: torch.Tensor) -> bool:
     """Whether a check may read ``t``'s values (``int(t.max())``...).
 
     Not while torch.compile traces (no graph break), for fake/meta tensors, or while a
-    CUDA graph is captured (a sync there is illegal); and not with GRAFT_CHECK_VALUES=0,
-    for production runs that cannot afford the device sync each such check costs.
+    CUDA graph is captured (a sync there is illegal). On the CPU reading values is free and
+    the checks run unless GRAFT_CHECK_VALUES=0; on a GPU each is a device sync, so they run
+    only with GRAFT_CHECK_VALUES=1 or GRAFT_STRICT=1. Kernels never rely on these checks
+    for memory safety: they mask out-of-range values themselves.
     """
     if t.numel() == 0 or t.device.type == "meta" or torch.compiler.is_compiling():
         return False
     if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
         return False
+    if t.device.type == "cpu":
+        return _value_checks()[0]
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    return config.parse_bool("GRAFT_CHECK_VALUES", True)
+    return _value_checks()[1]
+
+
+_value_check_cache: list = [None, (True, False)]  # [generation, (on CPU, on GPUs)]
+
+
+def _value_checks() -> tuple:
+    snap = config.current()
+    if _value_check_cache[0] != snap.generation:
+        explicit = snap.get(CHECK_VALUES_VAR)
+        on_cpu = config.parse_bool(CHECK_VALUES_VAR, True, snap)
+        on_gpu = config.parse_bool(CHECK_VALUES_VAR, False, snap) if explicit else config.parse_bool(
+            "GRAFT_STRICT", False, snap)
+        _value_check_cache[1] = (on_cpu, on_gpu)
+        _value_check_cache[0] = snap.generation
+    return _value_check_cache[1]

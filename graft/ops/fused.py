@@ -19,6 +19,8 @@ All three compute in fp32 and round once to the input dtype.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from graft.cases import OpCase
@@ -85,7 +87,17 @@ def _check_float(name, t):
     check_tensor(name, t, dtypes=FLOAT_DTYPES)
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 def validate_rms_norm(x, weight, eps=1e-6, residual=None):
+    # Fast path: the common valid call in a few attribute reads (dispatch cost is per call);
+    # anything else goes through the full checks below, which name the problem.
+    if (residual is None and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and x.dtype in _FLOAT_SET and weight.dtype in _FLOAT_SET and weight.ndim == 1 and x.ndim >= 1
+            and weight.shape[0] == x.shape[-1] and type(eps) is float and 0.0 <= eps < math.inf
+            and x.device == weight.device):
+        return
     _check_float("fused.rms_norm: x", x)
     _check_float("fused.rms_norm: weight", weight)
     if x.dim() < 1:
@@ -107,6 +119,8 @@ def validate_rms_norm(x, weight, eps=1e-6, residual=None):
 
 
 def validate_silu_and_mul(x):
+    if isinstance(x, torch.Tensor) and x.dtype in _FLOAT_SET and x.ndim >= 1 and not x.shape[-1] % 2:
+        return  # fast path: the common valid call
     _check_float("fused.silu_and_mul: x", x)
     if x.dim() < 1 or x.shape[-1] % 2:
         raise GraftInputError(

@@ -90,7 +90,16 @@ def _check_bias(op: str, bias, n: int, dtypes, device) -> None:
         raise GraftInputError(f"{op}: bias has {bias.shape[0]} elements; expected N={n}")
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 def validate_linear(x, weight, bias=None, activation="none"):
+    # Fast path: the common valid call without bias in a few attribute reads (dispatch cost
+    # is per call); anything else goes through the full checks below, which name the problem.
+    if (bias is None and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.dtype in _FLOAT_SET
+            and weight.dtype == x.dtype and weight.ndim == 2 and x.ndim >= 1 and weight.shape[1] == x.shape[-1]
+            and x.device == weight.device and activation in ACTIVATIONS):
+        return
     check_tensor("gemm.linear: x", x, dtypes=FLOAT_DTYPES)
     check_tensor("gemm.linear: weight", weight, dtypes=FLOAT_DTYPES, ndim=2)
     if x.dim() < 1:

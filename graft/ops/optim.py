@@ -58,8 +58,24 @@ def _check_number(name, value, low, high, *, high_open=False):
         raise GraftInputError(f"{OP}: {name} must be in [{low}, {high}{bound}, got {value}")
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 def validate_adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                        weight_decay=0.0, adam_w_mode=True, bias_correction=True):
+    # Fast path: the common valid call in a few attribute reads and comparisons (one call per
+    # parameter tensor per step); anything else goes through the full checks, which name the problem.
+    if (isinstance(param, torch.Tensor) and isinstance(grad, torch.Tensor) and isinstance(exp_avg, torch.Tensor)
+            and isinstance(exp_avg_sq, torch.Tensor) and param.dtype in _FLOAT_SET and grad.dtype == param.dtype
+            and exp_avg.dtype in _FLOAT_SET and exp_avg_sq.dtype == exp_avg.dtype
+            and grad.shape == param.shape and exp_avg.shape == param.shape and exp_avg_sq.shape == param.shape
+            and grad.device == param.device and exp_avg.device == param.device
+            and exp_avg_sq.device == param.device
+            and type(lr) is float and 0.0 <= lr < math.inf and type(beta1) is float and 0.0 <= beta1 < 1.0
+            and type(beta2) is float and 0.0 <= beta2 < 1.0 and type(eps) is float and 0.0 <= eps < math.inf
+            and type(weight_decay) is float and 0.0 <= weight_decay < math.inf
+            and type(step) is int and step >= 1 and type(adam_w_mode) is bool and type(bias_correction) is bool):
+        return
     check_tensor(f"{OP}: param", param, dtypes=FLOAT_DTYPES)
     check_tensor(f"{OP}: grad", grad, dtypes=(param.dtype,))
     check_tensor(f"{OP}: exp_avg", exp_avg, dtypes=FLOAT_DTYPES)

@@ -117,6 +117,9 @@ def _rank_main(rank: int, ws: int, port: int, args, queue) -> None:
         import torch.distributed as dist
 
         os.environ.setdefault("GRAFT_DISABLE_PLUGINS", "triton,hip,vllm,deepspeed,megatron")
+        import graft
+
+        graft.reload_config()
         if args.backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = torch.device("cuda", torch.cuda.current_device())

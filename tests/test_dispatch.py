@@ -1,0 +1,174 @@
+"""The per-call path: configuration read once, cached plans, run() reporting what served,
+served-call counters, value-check defaults and strict mode for missing backends."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import graft
+from graft import config, dispatch, plugins
+from graft.errors import GraftConfigError, GraftUnsupportedError
+from graft.integration import CallCounter, served_calls
+from graft.ops import _validate
+
+from _toy_ops import ReferenceOnly, ToyAdapter
+
+OP = "fused.toy_scale"
+
+
+@pytest.fixture
+def toy(fresh_graft, monkeypatch):
+    """The toy adapter installed as graft's global plugin host (dispatch uses the global one)."""
+    host = plugins.PluginHost(load_entry_points=False)
+    host.toy = ToyAdapter()
+    host.register(host.toy, "toy")
+    host.register(ReferenceOnly(), "toyref")
+    monkeypatch.setattr(plugins, "_host", host)
+    graft.reload_config()
+    yield host
+    plugins.reset()
+
+
+def test_configuration_is_read_once_until_reload(toy):
+    x = torch.ones(4)
+    assert graft.select(OP, x, 2.0).backend == "fast"
+    os.environ["GRAFT_BACKENDS"] = "vendor"  # not through monkeypatch: no automatic reload
+    try:
+        assert graft.select(OP, x, 2.0).backend == "fast", "os.environ must not be re-read per call"
+        graft.reload_config()
+        assert graft.select(OP, x, 2.0).backend == "vendor"
+    finally:
+        del os.environ["GRAFT_BACKENDS"]
+        graft.reload_config()
+    assert graft.select(OP, x, 2.0).backend == "fast"
+
+
+def test_override_config_is_temporary_and_restores_the_environment(toy):
+    x = torch.ones(4)
+    with graft.override_config(GRAFT_BACKENDS="vendor"):
+        assert os.environ["GRAFT_BACKENDS"] == "vendor"
+        assert graft.select(OP, x, 2.0).backend == "vendor"
+        with graft.override_config(GRAFT_BACKENDS=None):
+            assert "GRAFT_BACKENDS" not in os.environ
+            assert graft.select(OP, x, 2.0).backend == "fast"
+        assert graft.select(OP, x, 2.0).backend == "vendor"
+    assert "GRAFT_BACKENDS" not in os.environ
+    assert graft.select(OP, x, 2.0).backend == "fast"
+    with pytest.raises(ValueError, match="GRAFT_"):
+        with graft.override_config(PATH="/nowhere"):
+            pass
+
+
+def test_run_reports_the_implementation_that_served(toy):
+    out, impl = dispatch.run(OP, torch.ones(4), 3.0)
+    assert impl.backend == "fast" and torch.equal(out, torch.full((4,), 3.0))
+    # The per-call check declines odd sizes: the next candidate serves, and run() says so.
+    out, impl = dispatch.run(OP, torch.ones(3), 3.0)
+    assert impl.backend == "vendor" and toy.toy.calls == ["fast", "vendor"]
+
+
+def test_static_decision_is_cached_per_configuration(toy, monkeypatch):
+    asked = []
+    registry = toy.registry
+    fast = next(i for i in registry.impls[OP] if i.backend == "fast")
+    import dataclasses
+
+    patched = dataclasses.replace(fast, available=lambda: asked.append(1))
+    registry.impls[OP][registry.impls[OP].index(fast)] = patched
+    graft.reload_config()
+    for _ in range(50):
+        graft.call(OP, torch.ones(4), 2.0)
+    assert len(asked) == 1, f"availability asked {len(asked)} times for 50 calls"
+    graft.reload_config()
+    graft.call(OP, torch.ones(4), 2.0)
+    assert len(asked) == 2
+
+
+def test_strict_refuses_a_requested_backend_without_an_implementation(fresh_graft, monkeypatch):
+    registry = graft.get_registry()
+    op, args = "gemm.linear", (torch.ones(2, 3), torch.ones(4, 3))
+    assert "hip" in registry.backends() and not any(i.backend == "hip" for i in registry.impls[op])
+    monkeypatch.setenv(config.op_env_var(op), "hip")
+    graft.call(op, *args)  # not strict: falls back
+    monkeypatch.setenv("GRAFT_STRICT", "1")
+    with pytest.raises(GraftUnsupportedError, match="no hip implementation.*GRAFT_STRICT"):
+        graft.call(op, *args)
+
+
+def test_empty_boolean_means_the_default(fresh_graft, monkeypatch):
+    monkeypatch.setenv("GRAFT_CHECK_VALUES", "")
+    assert _validate._value_checks() == (True, False)
+    monkeypatch.setenv("GRAFT_CHECK_VALUES", "0")
+    assert _validate._value_checks() == (False, False)
+    monkeypatch.setenv("GRAFT_CHECK_VALUES", "1")
+    assert _validate._value_checks() == (True, True)
+    monkeypatch.delenv("GRAFT_CHECK_VALUES")
+    monkeypatch.setenv("GRAFT_STRICT", "1")
+    assert _validate._value_checks() == (True, True), "GRAFT_STRICT=1 turns GPU value checks on"
+    monkeypatch.setenv("GRAFT_STRICT", "maybe")
+    with pytest.raises(GraftConfigError, match="GRAFT_STRICT='maybe'"):
+        _validate._value_checks()
+
+
+def test_empty_priority_variable_means_unset(toy, monkeypatch):
+    monkeypatch.setenv("GRAFT_BACKENDS", "")
+    monkeypatch.setenv("GRAFT_FUSED", "")
+    assert graft.select(OP, torch.ones(4), 2.0).backend == "fast"
+
+
+def test_reading_the_environment_survives_other_threads_changing_it(fresh_graft):
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            os.environ[f"GRAFT_TEST_CHURN_{i % 50}"] = "1"
+            os.environ.pop(f"GRAFT_TEST_CHURN_{(i + 25) % 50}", None)
+            i += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(3000):
+            config.reload()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+        for i in range(50):
+            os.environ.pop(f"GRAFT_TEST_CHURN_{i}", None)
+        config.reload()
+
+
+def test_served_calls_counted_per_op_and_backend():
+    counter = CallCounter("testfw")
+    counter.served("fused.rms_norm", "triton")
+    counter.served("fused.rms_norm", "triton")
+    counter.served("gemm.linear", "torch")
+    counter.fallback("linear", "a reason")
+    assert counter.served_calls() == {"fused.rms_norm:triton": 2, "gemm.linear:torch": 1}
+    assert counter.fallbacks() == {"linear": 1}
+    assert graft.served_calls("testfw") == {"fused.rms_norm:triton": 2, "gemm.linear:torch": 1}
+    assert served_calls()["testfw"]["gemm.linear:torch"] == 1
+    assert graft.served_calls("no-such-framework") == {}
+
+
+def test_integrations_report_off_when_the_configuration_is_invalid(fresh_graft, monkeypatch):
+    from graft.integration import integrations
+
+    monkeypatch.setenv("GRAFT_DISABLE", "nosuch")
+    for integration in integrations():
+        ok, why = integration.status()
+        assert not ok and "GRAFT_DISABLE" in why and "nosuch" in why, (integration.name, why)
+
+
+def test_graft_ops_reachable_after_import_graft():
+    code = "import graft, torch; print(graft.ops.gemm.linear(torch.ones(2, 3), torch.ones(4, 3)).shape)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch.Size([2, 4])" in proc.stdout
