@@ -535,7 +535,46 @@ def _attention_checks(backend_cls, calls) -> int:
             _Checks().close(f"GRAFT attention {dtype} {query_lens}/{seq_lens}", output[:total].view(total, heads, head), want, tol, tol)
             count += 1
     assert "attention.decode_paged" in calls, "decode requests must go through graft's attention.decode_paged"
+    count += _cuda_graph_checks(backend_cls, builder, impl)
     return count
+
+
+def _cuda_graph_checks(backend_cls, builder, impl) -> int:
+    """CUDA graphs for uniform decode batches: declared, and honoured (nothing read on the host).
+
+    The device-side inputs live on the meta device here: any host read of them (``.item()``,
+    ``.cpu()``, a boolean mask's ``nonzero()``) raises, so these passing proves none happens.
+    """
+    import torch
+    from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+
+    assert backend_cls.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    meta_dev, n = torch.device("meta"), 3
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(meta_dev), query_start_loc_cpu=qsl,
+        seq_lens=torch.empty(n, dtype=torch.int32, device=meta_dev), num_reqs=n, num_actual_tokens=n,
+        max_query_len=1, max_seq_len=9, block_table_tensor=torch.empty(n, 3, dtype=torch.int32, device=meta_dev),
+        slot_mapping=torch.empty(n, dtype=torch.int64, device=meta_dev), causal=True,
+    )
+    meta = builder.build(0, common)
+    assert meta.num_decodes == n and meta.prefill_cu_seqlens_q is None and meta.seq_lens.device == meta_dev
+    kv_cache = torch.empty(8, impl.num_kv_heads, 4, 2 * impl.head_size, device=meta_dev)
+    kv = torch.empty(n + 2, impl.num_kv_heads, impl.head_size, device=meta_dev)
+    impl.do_kv_cache_update(None, kv, kv, kv_cache, common.slot_mapping)
+
+    # Padding slots (-1) anywhere, even first, leave the cache as the real tokens alone would.
+    cache = torch.randn(6, impl.num_kv_heads, 2, 2 * impl.head_size)
+    key, value = (torch.randn(4, impl.num_kv_heads, impl.head_size) for _ in range(2))
+    for slots in ([-1, 3, -1, 5], [-1, -1, -1, -1], [7, 0, 2, -1]):
+        got, want = cache.clone(), cache.clone()
+        impl.do_kv_cache_update(None, key, value, got, torch.tensor(slots))
+        key_want, value_want = (c.transpose(1, 2) for c in want.split(impl.head_size, -1))
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                key_want[slot // 2, slot % 2], value_want[slot // 2, slot % 2] = key[i], value[i]
+        assert torch.equal(got, want), slots
+    return 1
 
 
 if __name__ == "__main__":
