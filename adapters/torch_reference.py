@@ -25,3 +25,9 @@ def graft_register_kernels(registry):
     for spec in list(registry.ops.values()):
         if not any(i.backend == "torch" for i in registry.impls[spec.name]):
             registry.add_impl(reference_impl(spec, provider=""))
+    # Where torch has a faster kernel for the same math, graft's torch backend uses it
+    # (ranked above the reference, which stays the definition and last resort).
+    from graft.ops import optim
+
+    if optim.OP in registry.ops:
+        registry.add_impl(optim.torch_implementation())

@@ -33,6 +33,13 @@ DS_BUILD_OPS=0 "${PIP[@]}" deepspeed==0.19.8
 if [ -f ci/requirements-vllm.txt ]; then
     "${PIP[@]}" -r ci/requirements-vllm.txt
 fi
+# Triton 3.6, the version on the GPU machines, beside the venv's own (not in it):
+# tests/test_triton36.py runs a kernel test per Triton kernel file under it (PYTHONPATH), so
+# an API difference fails here and not on a GPU. About 640 MB unpacked, installed once. With
+# numpy < 2.4: Triton 3.6's interpreter calls int() on 1-element arrays, an error since numpy 2.4.
+if [ ! -f .venv-triton36/triton/__init__.py ]; then
+    "$VENV/bin/python" -m pip install -q --no-deps --target .venv-triton36 triton==3.6.0 "numpy<2.4"
+fi
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, (

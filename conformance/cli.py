@@ -36,6 +36,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-upstream", action="store_true",
                         help="skip framework/library baselines (e.g. vLLM, whose import takes a while)")
     parser.add_argument("--seed", type=int, default=0, help="input seed")
+    parser.add_argument("--grad", action="store_true",
+                        help="also check every input's gradient of implementations with a registered backward "
+                             "against torch autograd through the reference")
     parser.add_argument("--json-only", action="store_true", help="write report.json only")
     parser.add_argument("--quiet", action="store_true", help="no per-case progress lines")
     parser.add_argument("--allow-slow", action="store_true",
@@ -85,7 +88,7 @@ def options_from_args(args):
     return Options(device=args.device, ops=tuple(args.op), families=tuple(args.family), impls=tuple(args.impl),
                    tags=tags, dtypes=_dtypes(args.dtype), timing=not args.no_timing, warmup=args.warmup,
                    repeats=args.repeats, time_interpreted=args.time_interpreted, upstream=not args.no_upstream,
-                   seed=args.seed)
+                   seed=args.seed, grad=args.grad)
 
 
 def run(args) -> int:
@@ -123,6 +126,10 @@ def run(args) -> int:
         print(f"\nFAILED {message}", file=sys.stderr)
     counts = report.counts()
     print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skipped']} skipped")
+    grads = report.grad_counts()
+    if grads is not None:
+        print(f"gradients: {grads['pass']} passed, {grads['fail']} failed, {grads['error']} errors, "
+              f"{grads['skipped']} skipped (no backward)")
     for kind, path in paths.items():
         print(f"report ({kind}): {path}")
     return report.exit_code

@@ -69,6 +69,27 @@ IMPL_COLUMNS = [
 ]
 
 
+GRAD_COLUMNS = [
+    ("op", "op"), ("case", "case (shape)"), ("dtype", "dtype"), ("impl", "implementation"),
+    ("status", "gradient"), ("inputs", "max abs / max rel error per input"),
+]
+
+
+def grad_rows(report: Report) -> list:
+    """One row per implementation and case that went through the gradient check (--grad)."""
+    rows = []
+    for case, impl in report.impl_rows():
+        g = impl.grad
+        if g is None:
+            continue
+        status = g["status"] if not g.get("reason") else f"{g['status']}: {g['reason']}"
+        inputs = "; ".join(f"d{name} {_fmt_err(e['max_abs'])} / {_fmt_err(e['max_rel'])}" + ("" if e["ok"] else " FAIL")
+                           for name, e in g["inputs"].items())
+        rows.append({"op": case.op, "case": case.case, "dtype": case.dtype, "impl": impl.name, "status": status,
+                     "inputs": inputs or "-", "_class": g["status"]})
+    return rows
+
+
 def baseline_rows(report: Report) -> list:
     """Baselines that ran (timed, or disagreeing with the reference); unused ones: see unused_baselines."""
     rows = []
@@ -207,7 +228,8 @@ def _header_lines(report: Report) -> list:
         + f"; speedup = {m['speedup_definition']}",
         f"result: {counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, "
         f"{counts['skipped']} skipped; wall time {m.get('wall_s', 0):.1f} s",
-    ]
+    ] + ([f"gradients: {g['pass']} passed, {g['fail']} failed, {g['error']} errors, {g['skipped']} skipped "
+          "(no backward registered)"] if (g := report.grad_counts()) is not None else [])
 
 
 def render_markdown(report: Report) -> str:
@@ -222,6 +244,10 @@ def render_markdown(report: Report) -> str:
     out += ["", "## Implementations", ""]
     out.append(_md_table(IMPL_COLUMNS, [impl_row(c, i) for c, i in report.impl_rows()]) if any(report.impl_rows())
                else "(no implementations besides the torch references ran)")
+    grows = grad_rows(report)
+    if grows:
+        out += ["", "## Gradients (registered backward vs autograd through the torch reference)", "",
+                _md_table(GRAD_COLUMNS, grows)]
     skipped = case_skip_rows(report)
     if skipped:
         out += ["", "## Cases not run", ""]
@@ -289,6 +315,10 @@ def render_html(report: Report) -> str:
     status_of = {id(r): s for r, s in rows}
     out.append(_html_table(IMPL_COLUMNS, [r for r, _ in rows], lambda r: status_of[id(r)]) if rows
                else "<p>(no implementations besides the torch references ran)</p>")
+    grows = grad_rows(report)
+    if grows:
+        out.append("<h2>Gradients (registered backward vs autograd through the torch reference)</h2>")
+        out.append(_html_table(GRAD_COLUMNS, grows, lambda r: r["_class"]))
     skipped = case_skip_rows(report)
     if skipped:
         out.append("<h2>Cases not run</h2><ul>")

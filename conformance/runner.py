@@ -24,6 +24,7 @@ import torch
 
 from graft import __version__
 from graft.conformance import baselines as baselines_mod
+from graft.conformance import grad as grad_mod
 from graft.conformance.cases import MULTI_PROCESS_FAMILIES, all_cases, select_cases
 from graft.conformance.compare import Comparison, compare, flatten
 from graft.conformance.timing import Timing, speedup, time_call
@@ -51,6 +52,7 @@ class Options:
     time_interpreted: bool = False
     upstream: bool = True  # framework/library baselines besides the torch reference
     seed: int = 0
+    grad: bool = False  # also check gradients of implementations with a backward (conformance/grad.py)
 
     def resolved(self) -> "Options":
         cuda = torch.device(self.device).type == "cuda"
@@ -77,6 +79,7 @@ class ImplResult:
     timing_note: str | None = None
     speedups: dict = field(default_factory=dict)  # baseline name -> baseline_median / impl_median
     selected: bool = False
+    grad: dict | None = None  # --grad: status, reason, message, per-input max abs/rel error (conformance/grad.py)
 
     @property
     def name(self) -> str:
@@ -133,7 +136,19 @@ class Report:
             for impl in case.impls:
                 if impl.status in (FAIL, ERROR):
                     out.append((case, impl, impl.message))
+                if impl.grad is not None and impl.grad["status"] in (FAIL, ERROR):
+                    out.append((case, impl, impl.grad["message"]))
         return out
+
+    def grad_counts(self) -> dict | None:
+        """pass/fail/error/skipped counts of the gradient checks, or None when none ran."""
+        grads = [i.grad for c in self.cases for i in c.impls if i.grad is not None]
+        if not grads:
+            return None
+        counts = {PASS: 0, FAIL: 0, ERROR: 0, SKIPPED: 0}
+        for g in grads:
+            counts[g["status"]] += 1
+        return counts
 
     def counts(self) -> dict:
         counts = {PASS: 0, FAIL: 0, ERROR: 0, SKIPPED: 0}
@@ -151,7 +166,10 @@ class Report:
         return 1 if self.failures else 0
 
     def as_dict(self) -> dict:
-        return {"meta": self.meta, "summary": self.counts(), "notes": list(self.notes),
+        summary = self.counts()
+        if self.grad_counts() is not None:
+            summary = dict(summary, grad=self.grad_counts())
+        return {"meta": self.meta, "summary": summary, "notes": list(self.notes),
                 "cases": [dataclasses.asdict(c) for c in self.cases]}
 
 
@@ -368,6 +386,9 @@ class Runner:
         cmp = compare(got, expected, tol)
         r.comparison = cmp.as_dict()
         r.max_abs, r.max_rel = cmp.max_abs, cmp.max_rel
+        if self.options.grad and grad_mod.differentiable(case.op):
+            r.grad = grad_mod.run_grad(impl, self.registry.op(case.op), case, make, dtype,
+                                       self.device.type, self.options.seed)
         if not cmp.ok:
             r.status = FAIL
             r.message = failure_message(case.op, case.name, dtype_name(dtype), r.name, cmp)
@@ -398,7 +419,7 @@ class Runner:
                 "device": o.device, "ops": list(o.ops), "families": list(o.families), "impls": list(o.impls),
                 "tags": list(o.tags), "dtypes": [dtype_name(d) for d in o.dtypes], "timing": o.timing,
                 "warmup": o.warmup, "repeats": o.repeats, "time_interpreted": o.time_interpreted,
-                "upstream": o.upstream, "seed": o.seed,
+                "upstream": o.upstream, "seed": o.seed, "grad": o.grad,
             },
             "times_are_device_specific": True,
             "speedup_definition": "baseline median time / implementation median time (>1: implementation faster)",
@@ -431,7 +452,7 @@ def _last_frames(exc: BaseException, limit: int = 3) -> str:
 def _progress_line(case: CaseResult) -> str:
     if case.status != "ran":
         return f"  {case.id}: {case.status} ({case.reason})"
-    parts = [f"{i.backend}={i.status}" for i in case.impls] or ["no implementations besides the reference"]
+    parts = [f"{i.backend}={i.status}" + (f" grad={i.grad['status']}" if i.grad else "") for i in case.impls] or ["no implementations besides the reference"]
     return f"  {case.id}: " + ", ".join(parts)
 
 

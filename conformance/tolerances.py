@@ -122,3 +122,42 @@ def tolerance_for(
         r = r if orr is None else orr
         rule += " (case override)"
     return Tolerance(atol=a, rtol=r, rule=rule, atol_is_absolute=not out_dtype.is_floating_point)
+
+
+# --------------------------------------------------------------------------- gradients
+#
+# Gradient checks (``graft conformance --grad``) compare each input's gradient from an
+# implementation's registered backward with the gradient torch autograd takes through the
+# op's reference, for the same output cotangent. Bounds, again RMS-relative:
+#
+# * The backward is a second chain of reductions on top of the forward's: attention's dq sums
+#   over keys, dk/dv over queries (and over the query heads of a GQA group), a weight gradient
+#   over every row of the batch. The accumulation-growth rule applies with the longest of them
+#   (``reduction_len``: the case's own reduction or the number of rows reduced, whichever is
+#   longer).
+# * fp16/bf16: the reference differentiates in fp32 and rounds each gradient once; a Triton
+#   backward (like flash-attention's and every fused-kernel backward) rounds intermediates that
+#   become GEMM operands to the input dtype (attention's P and dS, the activation gradient
+#   before dx/dw, the MoE gate/up gradient), one extra rounding propagated through a GEMM:
+#   twice the forward's output-rounding bound, the same argument as MoE's forward.
+# * fp32: reordered fp32 accumulation only, so twice the forward bound covers the two chains.
+# * attention.prefill in fp16/bf16: two rounded operands, not one (P before dV = P^T dO, and
+#   dS = P * (dP - delta) before dQ = dS K and dK = dS^T Q), and dS cancels by construction
+#   (each row of dS sums to zero), so dQ/dK are differences of terms much larger than
+#   themselves and the rounding of those terms shows up relative to the result. Twice the
+#   generic gradient bound. (flash-attention's own tests allow twice the error of a same-dtype
+#   PyTorch implementation; here the reference computes in fp32, so the bound is stated
+#   against the output-rounding unit instead.) fp32 keeps the generic bound: measured errors
+#   there are ~1e-7 relative, so a real backward bug cannot hide behind this factor.
+_GRAD_FACTOR = 2.0
+_GRAD_OP_FACTOR = {"attention.prefill": {torch.float16: 4.0, torch.bfloat16: 4.0}}
+
+
+def grad_tolerance_for(grad_dtype: torch.dtype, *, reduction_len: int | None = None, device_type: str = "cpu",
+                       compute_dtype: torch.dtype | None = None, op: str | None = None) -> Tolerance:
+    """The bound for one input's gradient of ``op`` (see the reasoning above)."""
+    base = tolerance_for(grad_dtype, reduction_len=reduction_len, device_type=device_type,
+                         compute_dtype=compute_dtype)
+    factor = _GRAD_OP_FACTOR.get(op, {}).get(compute_dtype or grad_dtype, _GRAD_FACTOR)
+    return Tolerance(atol=base.atol * factor, rtol=base.rtol * factor,
+                     rule=f"gradient: {factor:g}x ({base.rule})", atol_is_absolute=base.atol_is_absolute)

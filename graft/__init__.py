@@ -3,7 +3,8 @@
 Public entry points:
 
 * :func:`graft.get_registry` - the op registry, populated by every installed adapter plugin.
-* :func:`graft.call` - run an op through backend selection (``graft.call("gemm.linear", x, weight)``).
+* :func:`graft.call` - run an op through backend selection (``graft.call("gemm.linear", x, weight)``);
+  ``graft.run`` also returns the implementation that served it.
 * :func:`graft.select` / :func:`graft.explain` - what would run, and why.
 """
 from graft._version import __version__
@@ -16,16 +17,6 @@ def get_registry():
     return _get()
 
 
-def call(op, *args, **kwargs):
-    from graft.dispatch import call as _call
-
-    return _call(op, *args, **kwargs)
-
-
-def select(op, *args, **kwargs):
-    from graft.dispatch import select as _select
-
-    return _select(op, *args, **kwargs)
 
 
 def reload_config():
@@ -51,11 +42,17 @@ def served_calls(framework=None):
 
 
 def __getattr__(name):
-    # `import graft; graft.ops.gemm.linear(...)` works without importing graft.ops first.
-    if name == "ops":
-        import importlib
+    # Loaded on first use, so that `import graft` stays light (no torch): `graft.ops.gemm`
+    # without importing graft.ops first, and graft.call/graft.select bound to the dispatcher
+    # itself (no wrapper on the per-call path).
+    import importlib
 
-        return importlib.import_module("graft.ops")
+    if name in ("ops", "dispatch"):
+        return importlib.import_module(f"graft.{name}")
+    if name in ("call", "select", "run"):
+        value = getattr(importlib.import_module("graft.dispatch"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'graft' has no attribute {name!r}")
 
 
@@ -74,6 +71,7 @@ __all__ = [
     "get_registry",
     "call",
     "select",
+    "run",
     "explain",
     "reload_config",
     "override_config",

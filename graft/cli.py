@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "info": ("graft.info", "show plugins, ops, implementations and what would be selected here, and why"),
     "conformance": ("graft.conformance.cli", "check implementations against their baselines and write a report"),
     "patches": ("graft.patches.cli", "generate and check upstream-contribution patches"),
+    "bench": ("graft.bench.overhead", "measure graft's own overhead against the frameworks without it"),
+    "bench-kernels": ("graft.kernels.bench", "time graft's kernels against library baselines on model shapes"),
 }
 
 

@@ -36,3 +36,25 @@ def define_op(
     op = torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args), device_types=device_types)
     op.register_fake(fake)
     return op
+
+
+# Qualified names ("graft::fused_rms_norm_triton") of custom ops with a registered backward.
+_WITH_BACKWARD: set = set()
+
+
+def _qualname(op) -> str:
+    return getattr(op, "_qualname", None) or str(op)
+
+
+def register_backward(op, backward: Callable, setup_context: Callable) -> None:
+    """Register ``op``'s backward with ``torch.library.register_autograd`` and record it,
+    so that callers (the Megatron modules, the gradient conformance) know the op trains
+    without a reference recompute. ``backward`` should itself call custom ops (with fake
+    impls) so that it traces under ``torch.compile``."""
+    torch.library.register_autograd(_qualname(op), backward, setup_context=setup_context)
+    _WITH_BACKWARD.add(_qualname(op))
+
+
+def has_backward(op) -> bool:
+    """True when ``op`` (a graft custom op) has a backward registered through :func:`register_backward`."""
+    return op is not None and _qualname(op) in _WITH_BACKWARD

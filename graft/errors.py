@@ -19,3 +19,8 @@ class GraftUnsupportedError(GraftError, RuntimeError):
 
 class GraftDependencyError(GraftError, ImportError):
     """An optional dependency needed for this feature is missing."""
+
+
+class GraftCollectiveError(GraftError, RuntimeError):
+    """A collective failed across ranks: a peer never called it (timeout), called another
+    one, or left the group. Raised on every live rank, naming the op, group and ranks."""

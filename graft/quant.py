@@ -225,3 +225,58 @@ def unpack_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, fmt: str):
     if fmt == "awq":
         return unpack_awq(qweight, qzeros)
     raise GraftInputError(f"unknown int4 format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------- fp8 (e4m3)
+# Scales are fp32 with ``x ~= q.float() * scale``; a zero block gets scale 1 (codes 0), not a
+# division by zero. FP8_BLOCK is DeepSeek-V3's: 128 K per activation scale, 128x128 per weight.
+FP8_BLOCK = 128
+
+
+def fp8_max(dtype: torch.dtype = torch.float8_e4m3fn) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _fp8_scale(amax: torch.Tensor, dtype) -> torch.Tensor:
+    amax = amax.float()
+    return torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+
+
+def quantize_fp8_per_tensor(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``(q, scale[1])``: one fp32 scale for the whole tensor."""
+    scale = _fp8_scale(x.abs().amax(), dtype).reshape(1)
+    return (x.float() / scale).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype), scale
+
+
+def quantize_fp8_per_token_group(x: torch.Tensor, group: int = FP8_BLOCK, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``x [M, K]`` -> ``(q [M, K], scale [M, ceil(K/group)])``: one scale per token per group."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).reshape(m, groups, group)
+    scale = _fp8_scale(padded.abs().amax(dim=2), dtype)
+    q = (padded / scale[:, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype)).reshape(m, groups * group)[:, :k]
+    return q.to(dtype).contiguous(), scale
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``w [..., N, K]`` -> ``(q, scale [..., ceil(N/block), ceil(K/block)])``: one scale per block."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    blocks = padded.reshape(*lead, nb, block, kb, block)
+    scale = _fp8_scale(blocks.abs().amax(dim=(-3, -1)), dtype)
+    q = (blocks / scale[..., :, None, :, None]).clamp(-fp8_max(dtype), fp8_max(dtype))
+    q = q.reshape(*lead, nb * block, kb * block)[..., :n, :k]
+    return q.to(dtype).contiguous(), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple = (1, 1)) -> torch.Tensor:
+    """fp32 ``q * scale`` where each scale covers a ``block`` of the last two dims (a
+    one-element scale covers everything)."""
+    if scale.numel() == 1:
+        return q.float() * scale.float().reshape(())
+    full = scale.float()
+    for dim, size in ((-2, block[0]), (-1, block[1])):
+        if size > 1:
+            full = full.repeat_interleave(size, dim=dim)
+    return q.float() * full[..., : q.shape[-2], : q.shape[-1]]

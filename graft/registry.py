@@ -16,13 +16,14 @@ import torch
 
 from graft.errors import GraftError
 
-FAMILIES = ("attention", "gemm", "moe", "collectives", "fused")
+FAMILIES = ("attention", "gemm", "moe", "collectives", "fused", "loss")
 FAMILY_DESCRIPTIONS = {
     "attention": "prefill flash-attention (causal, varlen, GQA) and paged-KV decode",
     "gemm": "dense fp16/bf16 GEMM with epilogues, W8A8 int8, W4A16 GPTQ/AWQ",
     "moe": "top-k routing, token alignment, fused grouped expert GEMMs",
     "collectives": "all-reduce, all-gather, reduce-scatter and GEMM/comm overlap",
     "fused": "small fused ops the framework integrations need (RMSNorm, SiLU-and-mul, rotary)",
+    "loss": "training losses fused with the output projection (linear + cross-entropy, chunked over tokens)",
 }
 
 

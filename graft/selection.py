@@ -97,6 +97,11 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     settings = settings_for(registry, device_type, arch)
     priority, var = settings.priority_for(op, spec.family)
     requested = tuple(priority) if var is not None else ()
+    if var is None:  # no variable chose the order: the per-op default (measured preferences) applies
+        from graft import priorities
+
+        priority, why = priorities.apply(op, device_type, tuple(priority))
+        var = f"default (graft.priorities: {why})" if why else None
     by_backend: dict = {}
     for impl in registry.implementations(op):
         by_backend.setdefault(impl.backend, []).append(impl)
@@ -229,7 +234,9 @@ def explain(registry: Registry, op: str, device=None, dtype=None, arch=None) -> 
 
 
 def reset_caches() -> None:
-    """Forget cached decisions and which messages were logged (tests use this)."""
+    """Forget cached decisions and which messages were logged, and read the GRAFT_*
+    variables again (tests, and code that changed os.environ, use this)."""
+    config.reload()
     _static_cache.clear()
     _settings_cache.clear()
     _logged.clear()

@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, env, args, results):
+def _rank_main(fn, rank, world_size, port, env, args, results, pg_timeout=PG_TIMEOUT):
     os.environ.update(env)
     import graft
 
@@ -40,7 +40,7 @@ def _rank_main(fn, rank, world_size, port, env, args, results):
 
         torch.set_num_threads(1)  # N ranks share few cores
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=PG_TIMEOUT
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=pg_timeout
         )
         try:
             value = fn(rank, world_size, *args)
@@ -51,7 +51,8 @@ def _rank_main(fn, rank, world_size, port, env, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
+              pg_timeout: timedelta = PG_TIMEOUT) -> list:
     """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each run on its own rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -60,7 +61,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env:
     rank_env = {"GRAFT_LOG_LEVEL": "WARNING", "GRAFT_DISABLE_PLUGINS": "triton,hip,vllm,deepspeed,megatron"}
     rank_env.update(env or {})
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, rank_env, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, rank_env, args, results, pg_timeout), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

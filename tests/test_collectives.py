@@ -314,6 +314,119 @@ def w_four_ranks(rank, ws):
     return _catch(lambda: C.all_reduce(make(rank, (4 + (rank == 2),))))
 
 
+def _agreements(pg=None):
+    import torch.distributed as dist
+
+    from graft.kernels.collectives import agreement
+
+    return agreement._seq.get(pg or dist.group.WORLD, 0)
+
+
+def w_plans_async_agreement(rank, ws):
+    import time
+
+    import torch.distributed as dist
+
+    from graft.kernels.collectives._common import Work
+    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.ops import collectives as C
+
+    out = {}
+    reset_graft()
+    # Once per signature: the second call of a signature exchanges nothing.
+    x = make(rank, (64,))
+    C.all_reduce(x)
+    seen = _agreements()
+    for _ in range(3):
+        C.all_reduce(x)
+        C.all_reduce_(x.clone())
+    out["repeat_exchanges"] = _agreements() - seen
+    C.all_reduce(make(rank, (65,)))  # a new shape is a new signature
+    out["new_shape_exchanges"] = _agreements() - seen
+    reset_graft(GRAFT_COLLECTIVES_VALIDATE="always")
+    seen = _agreements()
+    for _ in range(3):
+        C.all_reduce(x)
+    out["always_exchanges"] = _agreements() - seen
+
+    # async_op=True: a real handle; the call returns before the peer has even called.
+    reset_graft()
+    t = torch.full((1000,), float(rank + 1))
+    C.all_reduce_(t.clone())  # agree on the signature first (the agreement itself is blocking)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.perf_counter()
+    work = C.all_reduce_(t, async_op=True)
+    out["async_return_s"] = time.perf_counter() - start
+    assert isinstance(work, Work)
+    work.wait()
+    out["async_wait_s"] = time.perf_counter() - start
+    assert torch.equal(t, torch.full((1000,), float(ws * (ws + 1) / 2)))
+    gathered = torch.empty(ws * 4)
+    C.all_gather_into(gathered, torch.full((4,), float(rank)), async_op=True).wait()
+    assert torch.equal(gathered, torch.arange(ws).repeat_interleave(4).float())
+    scattered = torch.empty(3)
+    w = C.reduce_scatter_into(scattered, torch.arange(3.0 * ws), async_op=True)
+    assert w.wait() and w.is_completed()
+    assert torch.equal(scattered, ws * torch.arange(3.0 * rank, 3.0 * rank + 3))
+    # graft's own algorithm in place (copied back; the handle is complete)
+    reset_graft(GRAFT_COLLECTIVES_ALL_REDUCE="oneshot")
+    t = torch.full((8,), float(rank + 1))
+    C.all_reduce_(t, async_op=True).wait()
+    assert torch.equal(t, torch.full((8,), float(ws * (ws + 1) / 2)))
+
+    # Ranks configured differently: a clear error on every rank, not a hang.
+    reset_graft(**({"GRAFT_COLLECTIVES_ALL_REDUCE": "oneshot"} if rank == 0 else {}))
+    out["algorithm"] = _catch(lambda: C.all_reduce(make(rank, (16,))))
+    reset_graft(**({"GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES": "1KiB"} if rank == 1 else {}))
+    out["threshold"] = _catch(lambda: C.all_reduce(make(rank, (16,))))
+    # "Validation off" still agrees on a new signature: a shape mismatch is an error, not an abort.
+    reset_graft(GRAFT_COLLECTIVES_VALIDATE="0")
+    out["shape_off"] = _catch(lambda: C.all_reduce(make(rank, (40 + rank,))))
+
+    # int8 gather: NaN and +-Inf arrive exactly as the exact gather delivers them.
+    reset_graft(GRAFT_QUANTIZED_GATHER_MIN_BYTES="0")
+    inputs = []
+    for r in range(ws):
+        v = make(r, (4, 64), salt=40) * 3
+        v[r, 5], v[2, 7 + r], v[3, 0] = float("nan"), float("inf"), float("-inf")
+        inputs.append(v)
+    got = C.all_gather_quantized(inputs[rank], None, 32)
+    exact = torch.cat(inputs)
+    assert torch.equal(torch.isnan(got), torch.isnan(exact))
+    inf = torch.isinf(exact)
+    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], exact[inf])
+    finite = torch.isfinite(exact)
+    bound = torch.cat([error_bound(v, 32) for v in inputs])
+    assert bool(((got - exact).abs()[finite] <= bound[finite]).all())
+    out["int8_differ"] = int((~finite).sum())
+    reset_graft()
+    assert torch.equal(C.all_reduce(torch.ones(3)), torch.full((3,), float(ws)))  # the group still works
+    return out
+
+
+def w_peer_skips(rank, ws):
+    import time
+
+    from graft.errors import GraftCollectiveError
+    from graft.ops import collectives as C
+
+    reset_graft(GRAFT_COLLECTIVES_TIMEOUT="3")
+    x = make(rank, (32,))
+    C.all_reduce(x)  # both agree on this signature
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            C.all_reduce(x)  # rank 1 never calls this one
+        else:
+            C.all_gather(make(rank, (5, 3)))  # it skipped ahead to its next collective
+        text = "NO ERROR"
+    except GraftCollectiveError as exc:
+        text = str(exc)
+    return text, time.perf_counter() - start
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.timeout(150)
 def test_all_reduce_algorithms_and_selection_2_ranks():
@@ -365,20 +478,110 @@ def test_four_ranks_uneven_sizes_and_wrong_shape():
         assert "rank 2: device cpu, x float32 (5,)" in t, t
 
 
+@pytest.mark.timeout(120)
+def test_plans_async_handles_and_rank_disagreements_2_ranks():
+    results = run_ranks(w_plans_async_agreement, 2, timeout=100)
+    for rank, r in enumerate(results):
+        assert r["repeat_exchanges"] == 0 and r["new_shape_exchanges"] == 1, r
+        assert r["always_exchanges"] == 3, r
+        assert "selected different algorithms" in r["algorithm"] and "oneshot" in r["algorithm"], r["algorithm"]
+        assert "torch" in r["algorithm"], r["algorithm"]
+        assert "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES: rank 0: 524288, rank 1: 1024" in r["threshold"], r["threshold"]
+        assert "(40,)" in r["shape_off"] and "(41,)" in r["shape_off"], r["shape_off"]
+        assert r["int8_differ"] == 6
+    # rank 0's async call returned while rank 1 was still asleep; its wait() then waited
+    assert results[0]["async_return_s"] < 0.5 and results[0]["async_wait_s"] > 0.6, results[0]
+
+
+@pytest.mark.timeout(90)
+def test_peer_that_skips_a_call_times_out_clearly_on_both_ranks():
+    from datetime import timedelta
+
+    results = run_ranks(w_peer_skips, 2, timeout=70, pg_timeout=timedelta(seconds=8))
+    (text0, t0), (text1, t1) = results
+    assert "collectives.all_reduce" in text0 and "did not complete within 3 s (GRAFT_COLLECTIVES_TIMEOUT)" in text0
+    assert "group '0'" in text0 and "global ranks 0, 1" in text0, text0
+    assert "collectives.all_gather" in text1 and "rank(s) 0 did not reach this call within 3 s" in text1, text1
+    assert 2.5 < t0 < 8 and 2.5 < t1 < 8, (t0, t1)
+
+
 # ----------------------------------------------------------------------------- no ranks needed
-def test_threshold_variables_reject_bad_values(monkeypatch):
+def test_settings_parse_once_and_reject_bad_values(monkeypatch):
+    import graft
+    from graft import plugins
     from graft.errors import GraftConfigError
     from graft.kernels.collectives import _common
 
     monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", "256KiB")
+    plugins.reset()
     assert _common.oneshot_max_bytes() == 256 * 1024
+    # Read once per configuration generation: a change shows after a reload only (this
+    # suite's monkeypatch reloads by itself, so change os.environ behind its back).
+    os.environ["GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES"] = "1KiB"
+    assert _common.oneshot_max_bytes() == 256 * 1024
+    graft.reload_config()
+    assert _common.oneshot_max_bytes() == 1024
     for bad in ("lots", "-5", "1.5MiB"):
         monkeypatch.setenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES", bad)
         with pytest.raises(GraftConfigError, match="GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES"):
-            _common.oneshot_max_bytes()
-    monkeypatch.setenv("GRAFT_OVERLAP_CHUNKS", "0")
-    with pytest.raises(GraftConfigError, match=">= 1"):
-        _common.overlap_chunks()
+            _common.read_settings()
+    monkeypatch.delenv("GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES")
+    for value, match in (("0", ">= 1"), (str(2**70), "<= 1024")):
+        monkeypatch.setenv("GRAFT_OVERLAP_CHUNKS", value)
+        with pytest.raises(GraftConfigError, match=match):
+            _common.read_settings()
+    monkeypatch.delenv("GRAFT_OVERLAP_CHUNKS")
+    for value, mode in (("", "signature"), ("1", "signature"), ("0", "signature"), ("always", "always")):
+        monkeypatch.setenv("GRAFT_COLLECTIVES_VALIDATE", value)
+        assert _common.read_settings().validate == mode, value
+    monkeypatch.setenv("GRAFT_COLLECTIVES_VALIDATE", "sometimes")
+    with pytest.raises(GraftConfigError, match="'signature'.*'always'"):
+        _common.read_settings()
+    monkeypatch.delenv("GRAFT_COLLECTIVES_VALIDATE")
+    for bad in ("-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("GRAFT_COLLECTIVES_TIMEOUT", bad)
+        with pytest.raises(GraftConfigError, match="GRAFT_COLLECTIVES_TIMEOUT"):
+            _common.read_settings()
+    monkeypatch.setenv("GRAFT_COLLECTIVES_TIMEOUT", "2.5")
+    assert _common.read_settings().timeout_s == 2.5
+    monkeypatch.delenv("GRAFT_COLLECTIVES_TIMEOUT")
+    plugins.reset()
+
+
+def test_symmetric_memory_declared_limits():
+    from graft.kernels.collectives.allreduce import symm_mem_reason
+
+    ok = dict(device_type="cuda", dtype=torch.float32, numel=1024, element_size=4, storage_offset=0,
+              world_size=4, reduce_op="sum")
+    assert symm_mem_reason("oneshot", **ok) is None and symm_mem_reason("twoshot", **ok) is None
+    assert "float32 and bfloat16" in symm_mem_reason("oneshot", **dict(ok, dtype=torch.float16, element_size=2))
+    assert "only sum" in symm_mem_reason("oneshot", **dict(ok, reduce_op="max"))
+    assert "CUDA" in symm_mem_reason("oneshot", **dict(ok, device_type="cpu"))
+    assert "two-shot kernel is built for 2, 4, 8" in symm_mem_reason("twoshot", **dict(ok, world_size=3))
+    assert symm_mem_reason("oneshot", **dict(ok, world_size=3)) is None  # one-shot has a generic kernel
+    bf16_odd = dict(ok, dtype=torch.bfloat16, element_size=2, numel=1023)
+    assert "multiple of 4" in symm_mem_reason("oneshot", **bf16_odd)
+    assert "aligned like its staging buffer" in symm_mem_reason("oneshot", **dict(ok, storage_offset=1))
+    assert symm_mem_reason("oneshot", **dict(ok, storage_offset=4)) is None  # 16-byte offset
+
+
+def test_int8_roundtrip_keeps_nan_and_inf_exactly():
+    from graft.kernels.collectives.quantized_gather import dequantize, error_bound, quantize
+
+    for dtype in FLOATS:
+        x = (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
+        x[0, 3], x[1, 0], x[1, 1], x[2, 63] = float("nan"), float("inf"), float("-inf"), float("nan")
+        x[3] = float("inf")  # a block with nothing finite
+        q, s = quantize(x, 32)
+        y = dequantize(q, s, x.numel(), x.shape, x.dtype)
+        assert torch.equal(torch.isnan(y), torch.isnan(x)) and torch.equal(torch.isinf(y), torch.isinf(x))
+        inf = torch.isinf(x)
+        assert torch.equal(y[inf], x[inf])
+        finite = torch.isfinite(x)
+        err = (y.float() - x.float()).abs()
+        assert bool((err[finite] <= error_bound(x, 32)[finite]).all())
+        # the rest of a block holding a NaN keeps its precision (the scale ignores non-finite values)
+        assert bool(torch.isfinite(error_bound(x, 32)).all()) and float(err[0, :32][finite[0, :32]].max()) < 0.1
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

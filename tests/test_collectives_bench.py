@@ -43,3 +43,18 @@ def test_bench_sizes_and_arguments():
     assert bench.parse_bytes("512MiB") == 512 << 20 and bench.parse_bytes("3k") == 3072
     with pytest.raises(SystemExit):
         bench.parse_args(["--ops", "all_to_all"])
+
+
+@pytest.mark.timeout(150)
+def test_overhead_function_reports_ratios_for_each_collective():
+    from graft.kernels.collectives import bench
+
+    res = bench.overhead(world_size=2, quick=True, numel=2000, timeout=60)
+    assert res["world_size"] == 2 and res["numel"] == 2000 and res["backend"] == "gloo"
+    assert set(res["ops"]) == set(bench.OVERHEAD_OPS)
+    for name, r in res["ops"].items():
+        assert r["library_us"] > 0 and r["graft_us"] > 0, (name, r)
+        assert r["ratio"] == pytest.approx(r["graft_us"] / r["library_us"]), (name, r)
+    assert res["max_ratio"] == max(r["ratio"] for r in res["ops"].values())
+    with pytest.raises(ValueError, match="world_size"):
+        bench.overhead(world_size=0)

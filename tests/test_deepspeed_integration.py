@@ -186,6 +186,26 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert ds_comm.TorchBackend is TorchBackend
 
 
+def test_deactivate_restores_a_backend_built_while_active(ds_graft, monkeypatch):
+    """init_distributed() during activation builds graft's backend; deactivate() (which the
+    bench uses between steps) must give DeepSpeed its own collectives back, and activate() graft's."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    monkeypatch.setattr(ds_comm, "cdb", None)
+    assert ds_graft.activate()
+    ds_comm.cdb = ds_comm.TorchBackend.__new__(ds_comm.TorchBackend)  # what init_distributed() builds
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+    assert ds_graft.activate()
+    assert type(ds_comm.cdb) is GraftTorchBackend
+    ds_graft.deactivate()
+    assert type(ds_comm.cdb) is TorchBackend
+
+
 def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
     """Collectives graft does not serve go to torch.distributed, counted, each reason logged once."""
     import logging
@@ -221,6 +241,42 @@ def test_comm_fallbacks_are_counted_and_logged_once(ds_graft, caplog):
         (logging.INFO, "graft did not serve all_reduce (dtype torch.int64); deepspeed's own code ran it"),
         (logging.INFO, f"graft did not serve all_reduce (reduce op {dist.ReduceOp.PRODUCT}); deepspeed's own code ran it"),
     ], logged
+
+
+def test_comm_routes_async_calls_with_real_handles(ds_graft):
+    """async_op passes through graft: the caller gets a handle whose wait() completes the call,
+    results land in DeepSpeed's tensors, and each routed call is counted with its backend."""
+    import torch.distributed as dist
+
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        backend = GraftTorchBackend.__new__(GraftTorchBackend)
+        before = dict(ds_graft.calls)
+        t = torch.arange(6.0)
+        handle = backend.all_reduce(t, async_op=True)
+        assert handle is not None and handle.wait() and handle.is_completed()
+        assert t.tolist() == list(range(6))
+        out = torch.empty(6)
+        backend.all_gather_into_tensor(out, torch.arange(6.0).view(2, 3), async_op=True).wait()
+        assert out.tolist() == list(range(6))
+        rs = torch.empty(2, 3)
+        backend.reduce_scatter_tensor(rs, torch.arange(6.0).view(2, 3), async_op=True).wait()
+        assert rs.view(-1).tolist() == list(range(6))
+        lst = [torch.empty(3)]
+        backend.all_gather(lst, torch.tensor([1.0, 2.0, 3.0]), async_op=True).wait()
+        assert lst[0].tolist() == [1.0, 2.0, 3.0]
+        assert backend.all_reduce(torch.ones(2)) is None  # synchronous calls return None, as torch's
+    finally:
+        if created:
+            dist.destroy_process_group()
+    delta = {k: v - before.get(k, 0) for k, v in ds_graft.calls.items() if v != before.get(k, 0)}
+    assert delta == {"collectives.all_reduce": 2, "collectives.all_reduce:torch": 2,
+                     "collectives.all_gather": 2, "collectives.all_gather:torch": 2,
+                     "collectives.reduce_scatter": 1, "collectives.reduce_scatter:torch": 1}, delta
 
 
 # ------------------------------------------------------------------ ZeRO 1-3 on 2 gloo ranks
@@ -288,6 +344,12 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
                                        rtol=1e-5, atol=1e-6, msg=f"rank {rank} ZeRO-{stage} losses differ")
             calls = g["calls"][stage]
             assert calls.get("fused.adam_step", 0) > 0, (stage, calls)
+            # Every Adam tensor counted under the backend that served it; FusedAdam's step is
+            # one multi-tensor call per step (one parameter group), not one per tensor.
+            served = sum(n for k, n in calls.items() if k.startswith("fused.adam_step:"))
+            assert served == calls["fused.adam_step"], (stage, calls)
+            if stage != "2off":
+                assert calls.get("fused_adam.multi_tensor_adam") == 4, (stage, calls)
             assert calls.get("collectives.all_reduce", 0) + calls.get("collectives.reduce_scatter", 0) > 0, (stage, calls)
         assert g["calls"]["2off"].get("cpu_adam.adam_update", 0) > 0, g["calls"]["2off"]
         # ZeRO-3 gathers partitioned parameters for every forward: graft served those gathers.

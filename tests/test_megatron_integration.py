@@ -36,6 +36,8 @@ pytest.importorskip("megatron.core")
 
 from graft.errors import GraftError  # noqa: E402
 
+from _reference_calls import reference_calls  # noqa: E402,F401  (fixture)
+
 HIDDEN, HEADS, GROUPS, FFN = 64, 4, 2, 96
 
 
@@ -136,7 +138,7 @@ def calls(fresh_graft):
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
-def test_dense_layer_matches_local_spec(megatron_cpu, calls, qk_layernorm):
+def test_dense_layer_matches_local_spec(megatron_cpu, calls, qk_layernorm, reference_calls):
     from graft.adapters.megatron.modules import (
         GraftColumnParallelLinear,
         GraftDotProductAttention,
@@ -173,6 +175,68 @@ def test_dense_layer_matches_local_spec(megatron_cpu, calls, qk_layernorm):
     served = {key.split(":")[0] for key, n in calls.items() if n and not key.startswith("fallback.")}
     assert {"fused.rms_norm", "gemm.linear", "attention.prefill"} <= served, dict(calls)
     assert not [k for k in calls if k.startswith("fallback.")], dict(calls)
+    # Forward and backward ran graft's Triton kernels only: no torch reference was recomputed.
+    assert reference_calls == {}, reference_calls
+
+
+def _layer_norm_config(**extra):
+    return _config(normalization="LayerNorm", **extra)
+
+
+def test_layernorm_config_is_served_by_fused_layer_norm(megatron_cpu, calls, reference_calls):
+    """With the spec called without arguments, a LayerNorm config gets graft LayerNorms (weight
+    and bias, so the local spec's checkpoint loads strictly) on fused.layer_norm, trained by its
+    Triton backward."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+    from graft.adapters.megatron.modules import GraftLayerNorm
+
+    config = _layer_norm_config()
+    torch.manual_seed(0)
+    local = build_module(get_gpt_layer_local_spec(normalization="LayerNorm"), config=config, layer_number=1)
+    grafted = build_module(get_gpt_layer_graft_spec(), config=config, layer_number=1)
+    assert isinstance(grafted.input_layernorm, GraftLayerNorm)
+    state = local.state_dict()
+    for key in state:
+        if "layernorm." in key:
+            state[key] = (1.0 if key.endswith("weight") else 0.0) + 0.1 * torch.randn(state[key].shape)
+    local.load_state_dict(state)
+    missing, unexpected = grafted.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    x = torch.randn(7, 2, HIDDEN)
+    x_ref, x_graft = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref, _ = local(x_ref, attention_mask=_causal_mask(7))
+    out_graft, _ = grafted(x_graft, attention_mask=_causal_mask(7))
+    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out_graft.backward(grad)
+    torch.testing.assert_close(x_graft.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for name, p in local.named_parameters():
+        torch.testing.assert_close(dict(grafted.named_parameters())[name].grad, p.grad, rtol=1e-4, atol=1e-5,
+                                   msg=f"gradient of {name}")
+    assert calls["fused.layer_norm:triton"] == 2 and calls["attention.prefill:triton"] == 1, dict(calls)
+    assert not [k for k in calls if k.startswith("fallback.")], dict(calls)
+    assert reference_calls == {}, reference_calls
+
+
+def test_normalization_mismatch_and_unsupported_are_refused(megatron_cpu, calls):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+
+    with pytest.raises(ValueError, match="built for normalization='RMSNorm' but config.normalization is 'LayerNorm'"):
+        build_module(get_gpt_layer_graft_spec(normalization="RMSNorm"), config=_layer_norm_config(), layer_number=1)
+    with pytest.raises(ValueError, match="normalization must be one of"):
+        get_gpt_layer_graft_spec(normalization="L2Norm")
+    from graft.adapters.megatron.modules import GraftNorm
+
+    config = _config()
+    config.normalization = "L2Norm"
+    with pytest.raises(ValueError, match="serves config.normalization in .*got 'L2Norm'"):
+        GraftNorm(config, HIDDEN)
 
 
 def test_gpt_model_with_graft_layers_matches_local(megatron_cpu, calls):
@@ -213,15 +277,23 @@ def test_gpt_model_with_graft_layers_matches_local(megatron_cpu, calls):
     assert (served("fused.rms_norm"), served("gemm.linear"), served("attention.prefill")) == (4, 8, 2), dict(calls)
 
 
-def test_explicit_mask_falls_back_to_megatron_attention(megatron_cpu, calls, caplog):
+def test_causal_mask_is_served_and_other_masks_fall_back(megatron_cpu, calls, caplog):
+    """Megatron passes the causal mask tensor with the causal mask type: graft serves it. Any
+    other mask (here causal plus a padded last key) goes to Megatron's own attention."""
     local, grafted = _build_pair(_config())
     x = torch.randn(5, 1, HIDDEN)
+    padded = _causal_mask(5).clone()
+    padded[..., 4] = True
     caplog.set_level(logging.INFO, logger="graft.integration.megatron")
     with torch.no_grad():
         out_ref, _ = local(x, attention_mask=_causal_mask(5))
         out_graft, _ = grafted(x, attention_mask=_causal_mask(5))
-        grafted(x, attention_mask=_causal_mask(5))  # the same reason again: counted, not logged again
-    torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out_graft, out_ref, rtol=1e-4, atol=1e-5)
+        assert calls["attention.prefill:triton"] == 1 and not calls["fallback.GraftDotProductAttention"], dict(calls)
+        pad_ref, _ = local(x, attention_mask=padded)
+        pad_graft, _ = grafted(x, attention_mask=padded)
+        grafted(x, attention_mask=padded)  # the same reason again: counted, not logged again
+    torch.testing.assert_close(pad_graft, pad_ref, rtol=1e-4, atol=1e-5)
     assert calls["fallback.GraftDotProductAttention"] == 2
     # The rest of the layer was still graft's.
     served = {key.split(":")[0] for key in calls if not key.startswith("fallback.")}

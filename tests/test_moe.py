@@ -204,11 +204,11 @@ def _good_moe():
         lambda: moe.topk_routing(torch.randn(3, 4).to(torch.int32), 2, True),
         lambda: moe.topk_routing(torch.randn(3, 4, 2), 2, True),
         lambda: moe.align_block_size(torch.tensor([[0, 4]], dtype=torch.int32), 4, 4),
-        lambda: moe.align_block_size(torch.tensor([[0, -1]], dtype=torch.int32), 4, 4),
+        lambda: moe.align_block_size(torch.tensor([[0, -2]], dtype=torch.int32), 4, 4),  # -1 = another rank's expert
         lambda: moe.align_block_size(torch.tensor([[0, 1]], dtype=torch.int64), 4, 4),
         lambda: moe.align_block_size(torch.tensor([[0, 1]], dtype=torch.int32), 0, 4),
     ],
-    ids=["k>E", "k=0", "scoring", "int-logits", "3d-logits", "id>=E", "id<0", "int64-ids", "block0"],
+    ids=["k>E", "k=0", "scoring", "int-logits", "3d-logits", "id>=E", "id<-1", "int64-ids", "block0"],
 )
 def test_bad_routing_and_align_input(fresh_graft, call):
     with pytest.raises(GraftInputError):

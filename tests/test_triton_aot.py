@@ -1,9 +1,14 @@
-"""Every Triton kernel compiles for real GPU targets, here on a CPU-only machine.
+"""Every Triton kernel compiles for real GPU targets, here on a CPU-only machine, within
+the target's shared-memory and register limits.
 
-The interpreter (which runs the kernel tests here) accepts code the GPU compilers reject,
-so graft.kernels.triton._aot lowers a representative variant of every @triton.jit kernel
-to sm_90 and gfx942 binaries with Triton's bundled toolchains, and fails when a kernel
-has no AOT variant at all. The full sweep: ``TRITON_INTERPRET=0 python -m graft.kernels.triton._aot``.
+The interpreter (which runs the kernel tests here) accepts code the GPU compilers reject
+and knows nothing of resources, so graft.kernels.triton._aot lowers every variant the
+launchers can launch to sm_90 and gfx942 binaries with Triton's bundled toolchains, with
+the JIT's own specialisation, and fails when a variant exceeds the target's limits or a
+kernel has no variant at all. Results of unchanged variants come from
+kernels/triton/aot_resources.json (keyed by Triton version, target, kernel sources and
+specialisation); whatever changed is compiled here. Refresh the file after changing a
+kernel: ``TRITON_INTERPRET=0 python -m graft.kernels.triton._aot --update-cache --jobs 2``.
 """
 from __future__ import annotations
 
@@ -21,17 +26,112 @@ def _quick_compiles() -> set:
     return {(v.kernel, target) for target, v in _aot.variants(quick=True)}
 
 
-def test_every_kernel_compiles_for_sm90_and_gfx942(tmp_path):
-    """Quick sweep, in a subprocess because the interpreter is on in this one; a fresh cache
-    dir so that nothing is skipped as already compiled."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", "graft.kernels.triton._aot", "--quick"],
-                          env=env, capture_output=True, text=True, timeout=300)
+def _aot_env(tmp_path):
+    return dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+
+
+@pytest.mark.timeout(1800)  # seconds with a current cache file; a changed kernel's variants compile here
+def test_every_variant_fits_sm90_and_gfx942(tmp_path):
+    """The full set (every variant of every kernel, both targets), in a subprocess because
+    the interpreter is on in this one."""
+    proc = subprocess.run([sys.executable, "-m", "graft.kernels.triton._aot", "--cache", "--jobs", "2"],
+                          env=_aot_env(tmp_path), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    assert len(compiled) == len(_quick_compiles()), proc.stdout
+    checked = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
+    full = list(_aot.variants())
+    assert len(checked) == len(full) + len(_quick_compiles()), proc.stdout  # + the unaligned quick ones
     for target in _aot.TARGETS:
-        assert any(f" {target} " in line for line in compiled)
+        assert any(f" {target} " in line and "shared=" in line and "regs=" in line for line in checked)
+
+
+_PROBE = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+
+    from graft.kernels.triton._aot import variant
+
+
+    @triton.jit
+    def probe_matmul(a_ptr, b_ptr, c_ptr, K, stride_am, stride_bk, stride_cm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + ks)[None, :])
+            b = tl.load(b_ptr + (k0 + ks)[:, None] * stride_bk + cols[None, :])
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc)
+
+
+    TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    # fp32 128x128x64 in 4 stages: 262,144 B of shared memory, over the 232,448 B of sm_90.
+    OVER = variant(probe_matmul, TILE, pointer="*fp32", options={"num_warps": 8, "num_stages": 4}, targets=("sm_90",))
+    FITS = variant(probe_matmul, TILE, pointer="*fp32", options={"num_warps": 8, "num_stages": 3}, targets=("sm_90",))
+''')
+
+
+@pytest.mark.timeout(900)
+def test_a_planted_over_limit_config_fails_and_its_fix_passes(tmp_path):
+    (tmp_path / "graft_aot_limits_probe.py").write_text(_PROBE)
+    code = textwrap.dedent('''
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import graft_aot_limits_probe as probe
+        from graft.kernels.triton import _aot
+        for name in ("OVER", "FITS"):
+            print(name, _aot.compile_all(selected=[("sm_90", getattr(probe, name))], log=print))
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_aot_env(tmp_path / "cache"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    over = next(line for line in proc.stdout.splitlines() if line.startswith("OVER ["))
+    fits = next(line for line in proc.stdout.splitlines() if line.startswith("FITS ["))
+    assert "shared memory 262,144 B > 232,448 B" in over, proc.stdout
+    assert fits == "FITS []", proc.stdout
+
+
+def test_limits_per_target():
+    ok = {"shared": 65_536, "regs": 512, "threads": 256, "spills": 0}
+    assert _aot.over_limits(ok, "gfx942") == []
+    assert _aot.over_limits(dict(ok, shared=65_537), "gfx942") == ["shared memory 65,537 B > 65,536 B"]
+    assert _aot.over_limits(dict(ok, regs=513), "gfx942") == ["513 VGPRs > 512"]
+    assert _aot.over_limits(dict(ok, shared=232_448, regs=255), "sm_90") == []
+    assert _aot.over_limits(dict(ok, shared=232_448, regs=255, threads=512), "sm_90") == [
+        "255 registers x 512 threads > 65,536"]
+
+
+def _compiled_side(code: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run ``code`` with the interpreter off (kernels are JIT functions there, not wrapped)."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_aot_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_specialisation_is_the_jits_and_keys_follow_it(tmp_path):
+    """Ints equal to 1 become constants and multiples of 16 get tt.divisibility, as in a launch;
+    an unaligned launch gets neither. Cache keys change with the target, specialisation and tiles."""
+    _compiled_side('''
+        from graft.kernels.triton import _aot, attention_decode
+
+        v = attention_decode.AOT_VARIANTS[0]
+        names = v.kernel.arg_names
+        _, _, sig, consts, attrs = _aot.specialise(v, "sm_90")
+        assert sig["stride_kd"] == "constexpr" and consts[(names.index("stride_kd"),)] == 1
+        assert sig["stride_kb"] == "i32" and ["tt.divisibility", 16] in attrs[(names.index("stride_kb"),)]
+        assert ["tt.divisibility", 16] in attrs[(names.index("Q"),)]
+        _, _, sig, _, attrs = _aot.specialise(v, "sm_90", aligned=False)
+        assert sig["stride_kb"] == "i32" and attrs[(names.index("stride_kb"),)] == []
+
+        key = _aot.variant_key(v, "sm_90")
+        assert key == _aot.variant_key(v, "sm_90")
+        assert len({key, _aot.variant_key(v, "gfx942"), _aot.variant_key(v, "sm_90", aligned=False)}) == 3
+        other = _aot.variant(v.kernel, dict(v.constexprs, BLOCK_N=32), pointer=v.pointer, options=v.options,
+                             values=v.values, **v.types)
+        assert _aot.variant_key(other, "sm_90") != key
+    ''', tmp_path)
 
 
 def test_every_jit_function_is_compiled_by_some_variant():

@@ -37,6 +37,11 @@ class GraftAccelerator(DeepSpeedAccelerator):
     def __init__(self, inner: DeepSpeedAccelerator):
         # Not calling DeepSpeedAccelerator.__init__: it would shadow the inner _name & co.
         object.__setattr__(self, "_inner", inner)
+        # DeepSpeed calls its accelerator hundreds of times a step (synchronize, streams,
+        # device_count...): the inner accelerator's bound methods go straight into this
+        # instance, so a forwarded call costs nothing over calling the accelerator itself.
+        for name in _FORWARDED_METHODS:
+            object.__setattr__(self, name, getattr(inner, name))
 
     @property
     def inner(self) -> DeepSpeedAccelerator:
@@ -72,6 +77,9 @@ class GraftAccelerator(DeepSpeedAccelerator):
         return self._inner.create_op_builder(class_name)
 
 
+_FORWARDED_METHODS: list = []
+
+
 def _install_delegates():
     """Forward every method and attribute of the abstract accelerator to the wrapped one.
 
@@ -85,6 +93,7 @@ def _install_delegates():
             continue
         if callable(value) and not isinstance(value, type):
             setattr(GraftAccelerator, name, _forward_method(name))
+            _FORWARDED_METHODS.append(name)
         else:
             setattr(GraftAccelerator, name, _forward_attribute(name))
     GraftAccelerator.__abstractmethods__ = frozenset()

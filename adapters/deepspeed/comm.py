@@ -8,9 +8,11 @@ all-gather) and the inference all-reduce of tensor-parallel inference (AutoTP) s
 ``graft.ops.collectives`` instead; everything else (groups, barriers,
 point-to-point, broadcast) is DeepSpeed's own code.
 
-graft's collectives are functional (they return a new tensor), DeepSpeed's write into
-their arguments, so each routed call copies the result into place. graft runs them
-synchronously: an ``async_op=True`` caller gets a handle that is already complete.
+Each routed call goes through graft's in-place collectives (``all_reduce_``,
+``all_gather_into``, ``reduce_scatter_into``): where graft selects the library collective
+(the default on the CPU) it runs on DeepSpeed's own tensors with DeepSpeed's ``async_op``,
+so ZeRO keeps its communication overlap and gets a real work handle; graft's own
+algorithms (one-shot, two-shot) write their result into place.
 Calls graft does not serve (other reduce ops such as AVG/PRODUCT, integer tensors) go to
 ``torch.distributed`` exactly as without graft, and are counted as fallbacks (each reason
 logged once at INFO on ``graft.integration.deepspeed``).
@@ -26,26 +28,6 @@ from graft.adapters.deepspeed.stats import count, fallback
 # The dtypes graft's collectives ops are specified for.
 ROUTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCE_NAMES = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"))
-
-
-class CompletedWork:
-    """The handle an ``async_op=True`` caller gets: graft finished the collective already."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-    def is_success(self):
-        return True
-
-    def exception(self):
-        return None
-
-
-def _done(async_op):
-    return CompletedWork() if async_op else None
 
 
 def _reduce_name(op):
@@ -71,30 +53,39 @@ def _reduce_reason(name, op) -> str | None:
     return f"reduce op {op}" if name is None else None
 
 
+def _served(kind: str):
+    """The counter callback of one routed collective: ``collectives.<kind>`` and, per
+    implementation, ``collectives.<kind>:<backend>``."""
+    key = f"collectives.{kind}"
+
+    def served(backend: str) -> None:
+        count(key)
+        count(f"{key}:{backend}")
+
+    return served
+
+
+_SERVED = {kind: _served(kind) for kind in ("all_reduce", "all_gather", "reduce_scatter")}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
 def graft_collective(kind: str, x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """The single routing target: one graft collective on a flat tensor, result returned.
+    """One functional graft collective on a flat tensor, result returned (counted).
 
     ``kind`` is ``all_reduce``, ``all_gather`` or ``reduce_scatter`` (graft op names).
     """
-    from graft.dispatch import select
-    from graft.ops import collectives
+    from graft.kernels.collectives import fastpath
 
     flat = x.reshape(-1)
-    if kind == "all_reduce":
-        args = (flat, group, op)
-        out = collectives.all_reduce(*args)
-    elif kind == "all_gather":
-        args = (flat, group)
-        out = collectives.all_gather(*args)
-    elif kind == "reduce_scatter":
-        args = (flat, group, op)
-        out = collectives.reduce_scatter(*args)
-    else:
+    args = {"all_reduce": (flat, group, op), "all_gather": (flat, group, None),
+            "reduce_scatter": (flat, group, op, None)}.get(kind)
+    if args is None:
         raise ValueError(f"unknown collective {kind!r}")
-    count(f"collectives.{kind}")
-    # Which graft implementation served it (selection is cached; the per-call check is cheap).
-    count(f"collectives.{kind}:{select(f'collectives.{kind}', *args).backend}")
-    return out
+    _SERVED[kind](fastpath.plan(f"collectives.{kind}", *args).backend)
+    return fastpath.run(f"collectives.{kind}", *args)
 
 
 class GraftTorchBackend(TorchBackend):
@@ -106,9 +97,14 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("all_reduce", reason)
             return super().all_reduce(tensor, op, group, async_op)
-        with torch.no_grad():
+        from graft.kernels.collectives._common import Work, resolve_group
+        from graft.ops import collectives
+
+        if tensor.is_contiguous():
+            return collectives.all_reduce_(_flat(tensor), group, name, async_op, served=_SERVED["all_reduce"])
+        with torch.no_grad():  # a strided view: reduce a copy, synchronously
             tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
-        return _done(async_op)
+        return Work(None, "collectives.all_reduce", resolve_group(group)) if async_op else None
 
     def inference_all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None):
         """The all-reduce of DeepSpeed's tensor-parallel inference (AutoTP's LinearAllreduce)."""
@@ -119,8 +115,13 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("inference_all_reduce", reason)
             return super().inference_all_reduce(tensor, op, group)
-        with torch.no_grad():
-            tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
+        from graft.ops import collectives
+
+        if tensor.is_contiguous():
+            collectives.all_reduce_(_flat(tensor), group, name, served=_SERVED["all_reduce"])
+        else:
+            with torch.no_grad():
+                tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
         count("inference_all_reduce")
         return tensor
 
@@ -129,9 +130,10 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("all_gather_into_tensor", reason)
             return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
-        with torch.no_grad():
-            output_tensor.copy_(graft_collective("all_gather", input_tensor, group).view(output_tensor.shape))
-        return _done(async_op)
+        from graft.ops import collectives
+
+        return collectives.all_gather_into(output_tensor, _flat(input_tensor), group, async_op,
+                                           served=_SERVED["all_gather"])
 
     def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         name = _reduce_name(self._reduce_op(op))
@@ -139,9 +141,10 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("reduce_scatter_tensor", reason)
             return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
-        with torch.no_grad():
-            output_tensor.copy_(graft_collective("reduce_scatter", input_tensor, group, name).view(output_tensor.shape))
-        return _done(async_op)
+        from graft.ops import collectives
+
+        return collectives.reduce_scatter_into(output_tensor, _flat(input_tensor), group, name, async_op,
+                                               served=_SERVED["reduce_scatter"])
 
     def all_gather(self, tensor_list, tensor, group=None, async_op=False):
         same = all(t.shape == tensor.shape and t.dtype == tensor.dtype for t in tensor_list)
@@ -150,11 +153,23 @@ class GraftTorchBackend(TorchBackend):
         if reason is not None:
             fallback("all_gather", reason)
             return super().all_gather(tensor_list, tensor, group, async_op)
-        with torch.no_grad():
-            gathered = graft_collective("all_gather", tensor, group).view(len(tensor_list), *tensor.shape)
-            for dst, src in zip(tensor_list, gathered):
-                dst.copy_(src)
-        return _done(async_op)
+        from graft.kernels.collectives._common import Work, resolve_group
+        from graft.ops import collectives
+
+        gathered = tensor.new_empty((len(tensor_list) * tensor.numel(),))
+        work = collectives.all_gather_into(gathered, _flat(tensor), group, True, served=_SERVED["all_gather"])
+
+        def scatter_into_list():
+            work.wait()
+            with torch.no_grad():
+                for dst, src in zip(tensor_list, gathered.view(len(tensor_list), *tensor.shape)):
+                    dst.copy_(src)
+
+        handle = Work(None, "collectives.all_gather", resolve_group(group), finish=scatter_into_list)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
 
 def install():
@@ -170,8 +185,11 @@ def install():
 
     def undo():
         ds_comm.TorchBackend = previous_class
-        if swapped is not None and type(swapped) is GraftTorchBackend:
-            swapped.__class__ = TorchBackend
+        # The live backend too, whether it was swapped above or built by init_distributed()
+        # while graft was active: after deactivate() DeepSpeed's collectives are its own.
+        for backend in (swapped, ds_comm.cdb):
+            if backend is not None and type(backend) is GraftTorchBackend:
+                backend.__class__ = TorchBackend
 
     return undo
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from graft.adapters.deepspeed.stats import count
+from graft.adapters.deepspeed.stats import count, served
 
 
 class _GraftBuilder(OpBuilder):
@@ -54,12 +54,12 @@ class FusedAdamOps:
     @staticmethod
     def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, adam_w_mode,
                           bias_correction, weight_decay):
-        # chunk_size and noop_flag belong to the CUDA multi-tensor-apply launcher; the graft op
-        # takes one whole tensor per call, and DeepSpeed's FusedAdam never sets the flag.
+        # chunk_size and noop_flag belong to the CUDA multi-tensor-apply launcher (DeepSpeed's
+        # FusedAdam never sets the flag); graft's multi-tensor form takes the lists whole.
         grads, params, exp_avgs, exp_avg_sqs = tensor_lists
         with torch.no_grad():
-            for g, p, m, v in zip(grads, params, exp_avgs, exp_avg_sqs):
-                _adam_into(p, g, m, v, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
+            _adam_into(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode,
+                       bias_correction)
         count("fused_adam.multi_tensor_adam")
 
 
@@ -75,20 +75,18 @@ class FusedAdamBuilder(_GraftBuilder):
         return FusedAdamOps
 
 
-def _adam_into(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode,
+def _adam_into(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode,
                bias_correction):
-    """One graft Adam step written back into DeepSpeed's tensors."""
-    from graft.ops.optim import adam_step
+    """One graft Adam step over lists of DeepSpeed's tensors, in place (one multi-tensor call
+    when graft's torch backend serves)."""
+    from graft.ops.optim import adam_step_
 
-    if grad.dtype != param.dtype:  # e.g. fp32 gradients of a bf16 offloaded copy
-        grad = grad.to(param.dtype)
-    new_p, new_m, new_v = adam_step(param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2),
-                                    float(eps), int(step), float(weight_decay), bool(adam_w_mode),
-                                    bool(bias_correction))
-    param.copy_(new_p)
-    exp_avg.copy_(new_m)
-    exp_avg_sq.copy_(new_v)
-    count("fused.adam_step")
+    # e.g. fp32 gradients of a bf16 offloaded copy
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+    backend = adam_step_(params, grads, exp_avgs, exp_avg_sqs, float(lr), float(beta1), float(beta2), float(eps),
+                         int(step), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
+    if backend is not None:
+        served("fused.adam_step", backend, len(params))
 
 
 class CPUAdamOps:
@@ -114,7 +112,7 @@ class CPUAdamOps:
     def adam_update(cls, opt_id, step, lr, beta1, beta2, eps, weight_decay, bias_correction, params, grads,
                     exp_avg, exp_avg_sq):
         with torch.no_grad():
-            _adam_into(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay,
+            _adam_into([params], [grads], [exp_avg], [exp_avg_sq], lr, beta1, beta2, eps, step, weight_decay,
                        cls._modes.get(opt_id, True), bias_correction)
         count("cpu_adam.adam_update")
         return 0

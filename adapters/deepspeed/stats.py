@@ -15,3 +15,9 @@ calls = counter.calls
 count = counter.count
 fallback = counter.fallback
 reset = counter.reset
+
+
+def served(op: str, backend: str, n: int = 1) -> None:
+    """Count ``n`` calls of ``op`` that graft served, under ``op`` and ``"<op>:<backend>"``."""
+    count(op, n)
+    counter.served(op, backend, n)

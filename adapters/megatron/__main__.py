@@ -42,7 +42,7 @@ def main() -> int:
                 print(f"  {path:<42} {name}")
     device = default_device()
     print(f"graft ops on {device}:")
-    for op in ("fused.rms_norm", "gemm.linear", "attention.prefill", "moe.fused_experts"):
+    for op in ("fused.rms_norm", "fused.layer_norm", "gemm.linear", "attention.prefill", "moe.fused_experts"):
         decision = explain(get_registry(), op, device=device, dtype=torch.float16)
         print(f"  {op:<20} -> {decision.selected.backend if decision.selected else 'none'}")
     return 0

@@ -1,17 +1,21 @@
-"""Training through graft ops: forward on the selected implementation, gradients from the
-torch reference.
+"""Training through graft ops.
 
-Optimized graft kernels are forward-only ``torch.library`` ops. When one of them serves a
-call that needs gradients, :func:`call_with_reference_grad` runs the kernel forward and,
-in backward, recomputes the op's torch reference (which defines the op's semantics) and
-differentiates that. When the torch reference itself is selected, autograd flows through
-it directly and nothing is recomputed.
+Every optimized graft kernel with a backward registers it on its ``torch.library`` op
+(``graft.custom_ops.register_backward``), so calling the op's public function is
+differentiable as is: the forward and the backward both run graft's kernels.
+
+:func:`call_with_reference_grad` keeps a fallback for implementations that have no
+backward (a vendor plugin's forward-only kernel, say): the kernel runs forward and, in
+backward, the op's torch reference (which defines its semantics) is recomputed and
+differentiated. Each such call is counted as ``fallback.reference_backward`` with its
+reason logged once. When the torch reference itself is selected, autograd flows through it
+directly and nothing is recomputed.
 """
 from __future__ import annotations
 
 import torch
 
-from graft.adapters.megatron.stats import count
+from graft.adapters.megatron.stats import count, fallback
 
 
 class _ReferenceGrad(torch.autograd.Function):
@@ -43,13 +47,18 @@ class _ReferenceGrad(torch.autograd.Function):
 def call_with_reference_grad(op: str, entry_point, reference, *args):
     """``entry_point(*args)`` (a graft op's public function), differentiable.
 
-    ``reference`` is the op's torch reference with the same positional arguments.
+    The selected implementation's registered backward is used when it has one; otherwise
+    ``reference`` (the op's torch reference, same positional arguments) is recomputed in
+    backward, counted and logged.
     """
+    from graft.custom_ops import has_backward
     from graft.dispatch import select
 
-    backend = select(op, *args).backend
-    count(f"{op}:{backend}")
+    impl = select(op, *args)
+    count(f"{op}:{impl.backend}")
     needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if not needs_grad or backend == "torch":
+    if not needs_grad or impl.backend == "torch" or has_backward(impl.custom_op):
         return entry_point(*args)
+    fallback("reference_backward", f"{op}: the {impl.backend} implementation has no registered backward; "
+                                   "backward recomputes the torch reference")
     return _ReferenceGrad.apply(entry_point, reference, *args)

@@ -6,8 +6,10 @@ loads the same checkpoints as one built from Megatron's local spec. Only the loc
 changes:
 
 * ``GraftColumnParallelLinear`` / ``GraftRowParallelLinear``: the per-rank GEMM is
-  ``gemm.linear``; Megatron's tensor-parallel communication around it is unchanged.
-* ``GraftRMSNorm``: ``fused.rms_norm``.
+  ``gemm.linear``; Megatron's tensor-parallel communication around it is unchanged (the
+  column-parallel dgrad all-reduce overlaps the wgrad GEMM, as in Megatron).
+* ``GraftNorm`` (``GraftRMSNorm`` / ``GraftLayerNorm``, following ``config.normalization``):
+  ``fused.rms_norm`` / ``fused.layer_norm``.
 * ``GraftDotProductAttention``: ``attention.prefill`` (causal / no-mask / packed ``thd``).
 * ``GraftSequentialMLP``: MoE experts as one ``moe.fused_experts`` call.
 
@@ -26,7 +28,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
-from graft.adapters.megatron.stats import fallback
+from graft.adapters.megatron.stats import counter, fallback
 
 # ---------------------------------------------------------------------------- linear layers
 
@@ -37,12 +39,20 @@ def graft_linear(x, weight, bias=None):
     return call_with_reference_grad("gemm.linear", gemm.linear, gemm.linear_reference, x, weight, bias)
 
 
+def _linear_no_grad(x, weight, bias=None):
+    """The forward of a linear whose gradients another autograd function computes: one
+    ``gemm.linear`` dispatch, counted under the implementation that served it."""
+    from graft.dispatch import run
+
+    out, impl = run("gemm.linear", x, weight, bias)
+    counter.served("gemm.linear", impl.backend)
+    return out
+
+
 def _megatron_gemm_reason(kwargs) -> str | None:
     """Why this local GEMM must stay Megatron's (its autograd function does the comm), or None."""
     if kwargs.get("gradient_accumulation_fusion"):
         return "gradient_accumulation_fusion"
-    if kwargs.get("allreduce_dgrad"):
-        return "allreduce_dgrad (tensor parallel > 1)"
     if kwargs.get("sequence_parallel"):
         return "sequence_parallel"
     if kwargs.get("grad_output_buffer") is not None:
@@ -51,14 +61,26 @@ def _megatron_gemm_reason(kwargs) -> str | None:
 
 
 class _GraftLocalGemm:
-    """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``."""
+    """Replaces the linear layers' local GEMM (``_forward_impl``) with ``gemm.linear``.
+
+    Under tensor parallelism (``allreduce_dgrad``) the input gradient is all-reduced over
+    the TP group, overlapped with the weight-gradient GEMM (:mod:`.linear_tp`), as
+    Megatron's own autograd function does.
+    """
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         reason = "positional arguments graft does not read" if args else _megatron_gemm_reason(kwargs)
+        if reason is None and kwargs.get("allreduce_dgrad") and not weight.requires_grad:
+            reason = "allreduce_dgrad with a frozen weight"
         if reason is not None:
             fallback(type(self).__name__, reason)
             return super()._forward_impl(input, weight, *args, **kwargs)
-        return graft_linear(input, weight, kwargs.get("bias"))
+        bias = kwargs.get("bias")
+        if kwargs.get("allreduce_dgrad") and torch.is_grad_enabled():
+            from graft.adapters.megatron.linear_tp import linear_allreduce_dgrad
+
+            return linear_allreduce_dgrad(_linear_no_grad, input, weight, bias, kwargs.get("tp_group"))
+        return graft_linear(input, weight, bias)
 
 
 class GraftColumnParallelLinear(_GraftLocalGemm, ColumnParallelLinear):
@@ -69,18 +91,36 @@ class GraftRowParallelLinear(_GraftLocalGemm, RowParallelLinear):
     """``RowParallelLinear`` with its per-rank GEMM on ``gemm.linear``; returns ``(output, bias)``."""
 
 
-# ---------------------------------------------------------------------------- RMSNorm
+# ---------------------------------------------------------------------------- norms
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
 
-class GraftRMSNorm(torch.nn.Module):
-    """RMSNorm on ``fused.rms_norm``; the parameter is ``weight`` like ``torch.nn.RMSNorm``'s.
+class GraftNorm:
+    """The norm ``config.normalization`` asks for, on graft ops: :class:`GraftRMSNorm` or
+    :class:`GraftLayerNorm` (as Megatron's ``WrappedTorchNorm`` follows the config).
 
-    Built by Megatron as ``build_module(spec, config=..., hidden_size=..., eps=...)``.
-    ``layernorm_zero_centered_gamma`` is honoured (the scale is ``1 + weight``).
+    ``expected`` (a spec's ``normalization`` argument) must agree with the config; any other
+    normalization (``L2Norm``) is refused with a clear error rather than silently replaced.
     """
 
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str | None = None, expected: str | None = None):
+        norm = getattr(config, "normalization", "LayerNorm")
+        if norm not in NORMALIZATIONS:
+            raise ValueError(f"graft's Megatron spec serves config.normalization in {NORMALIZATIONS}, got {norm!r}; "
+                             "use Megatron's own layer spec for it")
+        if expected is not None and expected != norm:
+            raise ValueError(f"the graft layer spec was built for normalization={expected!r} but "
+                             f"config.normalization is {norm!r}; build the spec with normalization={norm!r} "
+                             "(or None, to follow the config)")
+        module = GraftRMSNorm if norm == "RMSNorm" else GraftLayerNorm
+        return module(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma)
+
+
+class _GraftNormBase(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+                 zero_centered_gamma: bool = False, normalization: str | None = None):
         super().__init__()
         self.config = config
         self.eps = eps
@@ -89,16 +129,44 @@ class GraftRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
-    def forward(self, x):
-        from graft.ops import fused
-
+    def _scale(self, x):
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        if weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
-        return call_with_reference_grad("fused.rms_norm", fused.rms_norm, fused.rms_norm_reference, x, weight, self.eps)
+        return weight.to(x.dtype) if weight.dtype != x.dtype else weight
 
     def extra_repr(self):
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GraftRMSNorm(_GraftNormBase):
+    """RMSNorm on ``fused.rms_norm``; the parameter is ``weight`` like ``torch.nn.RMSNorm``'s.
+
+    Built by Megatron as ``build_module(spec, config=..., hidden_size=..., eps=...)``.
+    ``layernorm_zero_centered_gamma`` is honoured (the scale is ``1 + weight``).
+    """
+
+    def forward(self, x):
+        from graft.ops import fused
+
+        return call_with_reference_grad("fused.rms_norm", fused.rms_norm, fused.rms_norm_reference, x,
+                                        self._scale(x), self.eps)
+
+
+class GraftLayerNorm(_GraftNormBase):
+    """LayerNorm on ``fused.layer_norm``; parameters ``weight`` and ``bias`` like ``torch.nn.LayerNorm``'s
+    (so local-spec LayerNorm checkpoints load). ``layernorm_zero_centered_gamma`` is honoured."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str | None = None):
+        super().__init__(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma)
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        setattr(self.bias, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x):
+        from graft.ops import fused
+
+        bias = self.bias.to(x.dtype) if self.bias.dtype != x.dtype else self.bias
+        return call_with_reference_grad("fused.layer_norm", fused.layer_norm, fused.layer_norm_reference, x,
+                                        self._scale(x), bias, self.eps)
 
 
 # ---------------------------------------------------------------------------- core attention
@@ -113,19 +181,50 @@ def _prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     )
 
 
+_verified_mask = [None]  # (tensor, version) of the last mask found causal: layers of a step share one
+
+
+def _is_causal_mask(mask, sq, sk) -> bool:
+    """Whether Megatron's boolean ``attention_mask`` (True = masked, broadcastable to
+    ``[b, h, sq, sk]``) is exactly the causal mask, which ``attention.prefill`` serves.
+
+    Reading the mask is a device sync, done once per mask tensor (all layers of a step pass
+    the same one). With GRAFT_CHECK_VALUES=0 the mask is not read and the causal mask type
+    decides, as in Megatron's Transformer Engine and flash-attention backends.
+    """
+    from graft.ops._validate import can_read_values
+
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2 or sq is None:
+        return False
+    if tuple(mask.shape[-2:]) != (sq, sk):
+        return False
+    if not can_read_values(mask):
+        return True
+    last = _verified_mask[0]
+    if last is not None and last[0] is mask and last[1] == mask._version:
+        return True
+    causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(1 + sk - sq)
+    if not bool((mask == causal).all()):
+        return False
+    _verified_mask[0] = (mask, mask._version)
+    return True
+
+
 class GraftDotProductAttention(DotProductAttention):
     """Megatron's local core attention with the attention itself on ``attention.prefill``.
 
     Inputs as Megatron's: ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]``
     (GQA when ``ng < np``); output ``[sq, b, np * hn]``. Served by graft: causal or unmasked
-    attention with ``attention_mask=None``, and packed sequences (``packed_seq_params``,
-    ``thd``), which Megatron's local class does not support. Megatron's own path serves an
-    explicit ``attention_mask`` tensor, attention dropout while training, attention
-    bias, non-vanilla softmax, sliding windows and query-key layer scaling.
+    attention with ``attention_mask=None``, the causal mask type with the causal
+    ``attention_mask`` Megatron's data pipeline passes (checked once per mask tensor, see
+    :func:`_is_causal_mask`), and packed sequences (``packed_seq_params``, ``thd``), which
+    Megatron's local class does not support. Megatron's own path serves any other
+    ``attention_mask`` tensor, attention dropout while training, attention bias,
+    non-vanilla softmax, sliding windows and query-key layer scaling.
     """
 
-    def _megatron_reason(self, attention_mask, attention_bias, mask_type) -> str | None:
-        if attention_mask is not None:
+    def _megatron_reason(self, attention_mask, attention_bias, mask_type, sq=None, sk=None) -> str | None:
+        if attention_mask is not None and not (mask_type == AttnMaskType.causal and _is_causal_mask(attention_mask, sq, sk)):
             return "explicit attention_mask"
         if attention_bias is not None:
             return "attention_bias"
@@ -144,7 +243,7 @@ class GraftDotProductAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        reason = self._megatron_reason(attention_mask, attention_bias, mask_type)
+        reason = self._megatron_reason(attention_mask, attention_bias, mask_type, query.shape[0], key.shape[0])
         if reason is not None:
             if packed_seq_params is not None:
                 raise NotImplementedError(f"graft's core attention cannot serve packed sequences with {reason}")
@@ -222,7 +321,9 @@ class GraftSequentialMLP(SequentialMLP):
 __all__ = [
     "GraftColumnParallelLinear",
     "GraftRowParallelLinear",
+    "GraftNorm",
     "GraftRMSNorm",
+    "GraftLayerNorm",
     "GraftDotProductAttention",
     "GraftSequentialMLP",
 ]

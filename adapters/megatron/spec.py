@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -21,9 +21,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from graft.adapters.megatron.modules import (
+    NORMALIZATIONS,
     GraftColumnParallelLinear,
     GraftDotProductAttention,
-    GraftRMSNorm,
+    GraftNorm,
     GraftRowParallelLinear,
     GraftSequentialMLP,
 )
@@ -32,13 +33,11 @@ from graft.adapters.megatron.modules import (
 class GraftSpecProvider(BackendSpecProvider):
     """Megatron ``BackendSpecProvider`` whose submodules run on graft ops.
 
-    LayerNorm (as opposed to RMSNorm) has no graft op: ``layer_norm(rms_norm=False)``
-    returns Megatron's local choice. ``moe_use_grouped_gemm`` is served by graft's
+    Norms are :class:`GraftNorm`: RMSNorm (``fused.rms_norm``) or LayerNorm
+    (``fused.layer_norm``) as ``config.normalization`` says, like Megatron's local
+    ``WrappedTorchNorm``; other normalizations are refused at build time. ``moe_use_grouped_gemm`` is served by graft's
     fused-experts module as well (graft's grouped GEMM *is* the fused-experts kernel).
     """
-
-    def __init__(self):
-        self._local = LocalSpecProvider()
 
     def column_parallel_linear(self) -> type:
         return GraftColumnParallelLinear
@@ -53,9 +52,7 @@ class GraftSpecProvider(BackendSpecProvider):
         return None
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-        if rms_norm:
-            return GraftRMSNorm
-        return self._local.layer_norm(rms_norm=False, for_qk=for_qk)
+        return GraftNorm
 
     def core_attention(self) -> type:
         return GraftDotProductAttention
@@ -70,13 +67,15 @@ class GraftSpecProvider(BackendSpecProvider):
 
 
 def get_gpt_layer_graft_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
-                             qk_layernorm: bool = False, normalization: str = "RMSNorm") -> ModuleSpec:
+                             qk_layernorm: bool = False, normalization: Optional[str] = None) -> ModuleSpec:
     """A GPT ``TransformerLayer`` spec whose norms, linears, core attention and MoE experts
     run on graft ops; same structure (and parameter names) as ``get_gpt_layer_local_spec``.
 
     Use it wherever Megatron takes a layer spec (``GPTModel(transformer_layer_spec=...)``,
-    ``build_module(spec, config=...)``). The config must match: ``normalization="RMSNorm"``
-    for graft's norm. With ``GRAFT_MEGATRON=0`` (or ``GRAFT_DISABLE=all``) this returns
+    ``build_module(spec, config=...)``). Norms follow ``config.normalization`` (RMSNorm or
+    LayerNorm; anything else is refused when the layer is built); ``normalization``, when
+    given, must be one of those and agree with the config (a mismatch is an error at build
+    time, not a silently different norm). With ``GRAFT_MEGATRON=0`` (or ``GRAFT_DISABLE=all``) this returns
     Megatron's own ``get_gpt_layer_local_spec`` with the same arguments, so the calling code
     needs no change to run without graft. Raises a clear error on an unsupported
     megatron-core version.
@@ -86,10 +85,12 @@ def get_gpt_layer_graft_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     if not enabled():
         return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
                                         qk_layernorm=qk_layernorm, normalization=normalization)
+    if normalization is not None and normalization not in NORMALIZATIONS:
+        raise ValueError(f"get_gpt_layer_graft_spec: normalization must be one of {NORMALIZATIONS} or None "
+                         f"(follow config.normalization), got {normalization!r}")
     backend = GraftSpecProvider()
-    rms = normalization == "RMSNorm"
-    layer_norm = backend.layer_norm(rms_norm=rms, for_qk=False)
-    qk_norm = backend.layer_norm(rms_norm=rms, for_qk=True)
+    layer_norm = ModuleSpec(module=backend.layer_norm(for_qk=False), params={"expected": normalization})
+    qk_norm = ModuleSpec(module=backend.layer_norm(for_qk=True), params={"expected": normalization})
     mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
                                           moe_grouped_gemm=moe_grouped_gemm)
     return ModuleSpec(

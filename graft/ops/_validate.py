@@ -65,6 +65,13 @@ def check_same_dtype(**tensors) -> None:
     raise GraftInputError(f"inputs must share a dtype: {listing}")
 
 
+def checks_values_on(t: torch.Tensor) -> bool:
+    """Cheap pre-test for validators' fast paths: False when no value check will run for ``t``
+    by configuration (a fast path may then skip everything but the metadata checks)."""
+    checks = _value_check_cache[1] if _value_check_cache[0] == config.current().generation else _value_checks()
+    return checks[0] if t.device.type == "cpu" else checks[1]
+
+
 def can_read_values(t: torch.Tensor) -> bool:
     """Whether a check may read ``t``'s values (``int(t.max())``...).
 

@@ -35,12 +35,20 @@ softmax_scale=None, num_splits=0)``: one query token per sequence.
 * ``seq_lens`` (int32, ``[num_seqs]``) is each context's length including the current
   token; ``0`` gives a zero output row.
 * ``num_splits`` only changes how an implementation partitions the work (split-K /
-  flash-decoding); ``0`` lets it choose. Results must not depend on it beyond rounding.
+  flash-decoding); ``0`` lets it choose, a forced count is capped (Triton: 64 splits).
+  Results must not depend on it beyond rounding.
+* Out-of-range values never reach memory, whatever the value-check settings: with the
+  checks on they are a ``GraftInputError`` (below); with them off (``GRAFT_CHECK_VALUES=0``,
+  tracing, CUDA graphs) a ``seq_len`` outside ``[0, capacity]`` is clamped into it and the
+  tokens of a used block-table entry outside ``[0, num_blocks)`` are skipped (they take
+  no part in the softmax; a row with no valid token outputs zeros). The reference
+  defines the same results.
 
 Validation (``GraftInputError``) checks dtypes, ranks, shapes, GQA divisibility, index
 dtypes and devices from metadata, and reads ``cu_seqlens_*`` / ``seq_lens`` back from the
 device for the value checks (start at 0, non-decreasing, totals, ``max_seqlen`` bounds,
-``0 <= seq_len <= block-table capacity``). Those value checks are skipped while tracing
+``0 <= seq_len <= block-table capacity``, the used block-table entries in
+``[0, num_blocks)``). Those value checks are skipped while tracing
 (``torch.compile``, fake/meta tensors) and during CUDA-graph capture, where reading device
 memory is impossible. No input needs to be contiguous: the Triton kernels take strides.
 """
@@ -54,7 +62,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,7 +89,7 @@ def _attend(q, k, v, scale, causal):
     if sk == 0:
         return torch.zeros(sq, num_heads, q.shape[-1], dtype=torch.float32, device=q.device)
     # Rows that see no key: softmax of all -inf is NaN; define them as zeros.
-    row_empty = torch.isinf(scores).all(dim=-1, keepdim=True)
+    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # masked out, not +inf from an inf input
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
     return torch.matmul(probs, vf).transpose(0, 1)  # [Sq, H, D]
 
@@ -104,14 +112,21 @@ def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
+        n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
         if n == 0:
             continue
         blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        # Tokens of a table entry outside [0, num_blocks) are skipped (see the module doc).
+        ok = ((blocks >= 0) & (blocks < num_blocks)).repeat_interleave(block_size)[:n]
+        blocks = blocks.clamp(0, max(num_blocks - 1, 0))
+        if not bool(ok.any()):
+            continue
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
         out[s] = _attend(query[s : s + 1], k, v, scale, causal=False)[0].to(query.dtype)
     return out
 
@@ -155,7 +170,25 @@ def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total):
         raise GraftInputError(f"{op}: a sequence has {longest} tokens but the max_seqlen given for {name} is {max_seqlen}")
 
 
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    # Fast path (value checks off, as on GPUs by default): the common valid call in a few
+    # attribute reads; anything else goes through the full checks below, which name the problem.
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+            and q.dtype in _FLOAT_SET and k.dtype == q.dtype and v.dtype == q.dtype
+            and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+            and q.ndim == 3 and k.ndim == 3 and cu_seqlens_q.ndim == 1 and k.shape == v.shape
+            and q.shape[2] == k.shape[2] and k.shape[1] and not q.shape[1] % k.shape[1]
+            and cu_seqlens_q.shape[0] == cu_seqlens_k.shape[0] and cu_seqlens_q.shape[0] >= 1
+            and cu_seqlens_k.ndim == 1 and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and max_seqlen_q >= 0 and max_seqlen_k >= 0 and type(causal) is bool
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and k.device == q.device and v.device == q.device and cu_seqlens_q.device == q.device
+            and cu_seqlens_k.device == q.device and not checks_values_on(cu_seqlens_q)):
+        return
     op = "attention.prefill"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(f"{op}: {name}", t, dtypes=FLOAT_DTYPES, ndim=3)
@@ -186,6 +219,21 @@ def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+    # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
+    if (isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
+            and isinstance(value_cache, torch.Tensor) and isinstance(block_tables, torch.Tensor)
+            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET and key_cache.dtype == query.dtype
+            and value_cache.dtype == query.dtype and block_tables.dtype == torch.int32
+            and seq_lens.dtype == torch.int32 and query.ndim == 3 and key_cache.ndim == 4
+            and block_tables.ndim == 2 and seq_lens.ndim == 1 and key_cache.shape == value_cache.shape
+            and query.shape[2] == key_cache.shape[3] and key_cache.shape[1] >= 1 and key_cache.shape[2]
+            and not query.shape[1] % key_cache.shape[2] and block_tables.shape[0] == query.shape[0]
+            and seq_lens.shape[0] == query.shape[0] and type(num_splits) is int and num_splits >= 0
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and key_cache.device == query.device and value_cache.device == query.device
+            and block_tables.device == query.device and seq_lens.device == query.device
+            and not checks_values_on(seq_lens)):
+        return
     op = "attention.decode_paged"
     check_tensor(f"{op}: query", query, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)
@@ -223,6 +271,17 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
         if lo < 0 or hi > capacity:
             raise GraftInputError(
                 f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
+            )
+        # The block-table entries the lengths use must name physical blocks of the caches.
+        used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
+            (seq_lens.long() + block_size - 1) // block_size
+        )[:, None]
+        num_blocks = key_cache.shape[0]
+        bad = block_tables[used & ((block_tables < 0) | (block_tables >= num_blocks))]
+        if bad.numel():
+            raise GraftInputError(
+                f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
+                f"got {int(bad[0])} ({bad.numel()} such entries)"
             )
 
 

@@ -1,5 +1,5 @@
 """Small fused ops the framework integrations need: RMSNorm (optionally fused with the
-residual add), SiLU-and-mul (the gated MLP activation) and rotary position embedding.
+residual add), LayerNorm, SiLU-and-mul (the gated MLP activation) and rotary position embedding.
 
 Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
 
@@ -7,15 +7,20 @@ Semantics follow what vLLM, DeepSpeed and Megatron expect from these layers:
   over the last dim, reduced in fp32. With ``residual`` it is the fused residual-add
   variant: ``residual_out = x + residual`` and ``out = rms_norm(residual_out)``;
   returns ``(out, residual_out)``.
+* ``layer_norm(x, weight, bias=None, eps)``: ``(x - mean) * rsqrt(var + eps) * weight + bias``
+  over the last dim with fp32 statistics (biased variance), as ``torch.nn.LayerNorm``.
 * ``silu_and_mul(x)``: ``silu(x[..., :D]) * x[..., D:]`` for ``x`` of last dim ``2*D``.
 * ``rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)``: rotates the
   first ``rot_dim`` features of every head of ``q`` and ``k`` by the angles of each
   token's position. ``cos_sin_cache[pos] = [cos(theta_0..), sin(theta_0..)]`` (each
   half ``rot_dim/2`` wide). Neox style rotates the two halves of the rotary part;
   GPT-J style rotates interleaved (even, odd) pairs. Features past ``rot_dim`` pass
-  through (partial rotary). Functional: returns new ``(q_out, k_out)``.
+  through (partial rotary). Functional: returns new ``(q_out, k_out)``. A position
+  outside ``[0, max_position)`` is a ``GraftInputError`` with the value checks on; with
+  them off (``GRAFT_CHECK_VALUES=0``, tracing, CUDA graphs) its token passes through
+  unrotated (cos 1, sin 0) in every backend: no kernel reads outside the cache.
 
-All three compute in fp32 and round once to the input dtype.
+All compute in fp32 and round once to the input dtype.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,6 +49,11 @@ def rms_norm_reference(x, weight, eps=1e-6, residual=None):
     if residual is None:
         return out
     return out, xf.to(x.dtype)
+
+
+def layer_norm_reference(x, weight, bias=None, eps=1e-5):
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
 
 
 def silu_and_mul_reference(x):
@@ -73,8 +83,13 @@ def _rotate_reference(x, cos, sin, head_size, is_neox):
 
 
 def rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neox=True):
-    cos_sin = cos_sin_cache.float().index_select(0, positions.reshape(-1))
+    pos = positions.reshape(-1).long()
+    # Positions outside [0, max_position) (value checks off) leave their token unrotated.
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    cos_sin = cos_sin_cache.float().index_select(0, torch.where(ok, pos, 0))
     cos, sin = cos_sin.chunk(2, dim=-1)
+    cos = torch.where(ok[:, None], cos, 1.0)
+    sin = torch.where(ok[:, None], sin, 0.0)
     q_out = _rotate_reference(q, cos, sin, head_size, is_neox)
     k_out = None if k is None else _rotate_reference(k, cos, sin, head_size, is_neox)
     return q_out, k_out
@@ -107,8 +122,8 @@ def validate_rms_norm(x, weight, eps=1e-6, residual=None):
         raise GraftInputError(
             f"fused.rms_norm: weight must be 1-D of size hidden={hidden} (x's last dim), got shape {tuple(weight.shape)}"
         )
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise GraftInputError(f"fused.rms_norm: eps must be a non-negative float, got {eps!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:  # NaN fails >= 0
+        raise GraftInputError(f"fused.rms_norm: eps must be a non-negative float (not NaN), got {eps!r}")
     if residual is not None:
         check_tensor("fused.rms_norm: residual", residual, dtypes=(x.dtype,))
         if residual.shape != x.shape:
@@ -116,6 +131,24 @@ def validate_rms_norm(x, weight, eps=1e-6, residual=None):
                 f"fused.rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
     check_same_device(x=x, weight=weight, residual=residual)
+
+
+def validate_layer_norm(x, weight, bias=None, eps=1e-5):
+    _check_float("fused.layer_norm: x", x)
+    if x.dim() < 1:
+        raise GraftInputError("fused.layer_norm: x must have at least 1 dim [..., hidden], got a scalar")
+    hidden = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        check_tensor(f"fused.layer_norm: {name}", t, dtypes=(x.dtype,))
+        if t.dim() != 1 or t.shape[0] != hidden:
+            raise GraftInputError(
+                f"fused.layer_norm: {name} must be 1-D of size hidden={hidden} (x's last dim), got shape {tuple(t.shape)}"
+            )
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise GraftInputError(f"fused.layer_norm: eps must be a non-negative float, got {eps!r}")
+    check_same_device(x=x, weight=weight, bias=bias)
 
 
 def validate_silu_and_mul(x):
@@ -149,6 +182,18 @@ def _check_heads(name, t, num_tokens, head_size):
 
 
 def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
+    # Fast path (value checks off, as on GPUs by default): 2-D q/k in a few attribute reads;
+    # anything else goes through the full checks below, which name the problem.
+    if (isinstance(positions, torch.Tensor) and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(cos_sin_cache, torch.Tensor) and type(head_size) is int and head_size > 0
+            and positions.dtype in (torch.int64, torch.int32) and q.dtype in _FLOAT_SET and k.dtype == q.dtype
+            and cos_sin_cache.dtype in _FLOAT_SET and q.ndim == 2 and k.ndim == 2 and cos_sin_cache.ndim == 2
+            and q.shape[0] == positions.numel() and k.shape[0] == q.shape[0]
+            and not q.shape[1] % head_size and not k.shape[1] % head_size
+            and 0 < cos_sin_cache.shape[1] <= head_size and not cos_sin_cache.shape[1] % 2
+            and type(is_neox) is bool and q.device == positions.device and k.device == positions.device
+            and cos_sin_cache.device == positions.device and not checks_values_on(positions)):
+        return
     check_tensor("fused.rotary_embedding: positions", positions, dtypes=(torch.int64, torch.int32))
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
         raise GraftInputError(f"fused.rotary_embedding: head_size must be a positive int, got {head_size!r}")
@@ -168,6 +213,15 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
     if not isinstance(is_neox, bool):
         raise GraftInputError(f"fused.rotary_embedding: is_neox must be a bool, got {is_neox!r}")
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+    if can_read_values(positions):
+        max_position = cos_sin_cache.shape[0]
+        lo, hi = torch.aminmax(positions)  # one pass; the details only when something is out of range
+        bad = positions[(positions < 0) | (positions >= max_position)] if lo < 0 or hi >= max_position else positions[:0]
+        if bad.numel():
+            raise GraftInputError(
+                f"fused.rotary_embedding: positions must lie in [0, max_position = {max_position}) "
+                f"(cos_sin_cache rows), got {int(bad[0])} ({bad.numel()} such positions)"
+            )
 
 
 # --------------------------------------------------------------------------- public entry points
@@ -176,6 +230,11 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
 def rms_norm(x, weight, eps: float = 1e-6, residual=None):
     """RMSNorm over the last dim; with ``residual``, returns ``(out, x + residual)``."""
     return call("fused.rms_norm", x, weight, eps, residual)
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last dim: ``(x - mean) * rsqrt(var + eps) * weight + bias`` (fp32 statistics)."""
+    return call("fused.layer_norm", x, weight, bias, eps)
 
 
 def silu_and_mul(x):
@@ -197,6 +256,14 @@ OPS = [
         reference=rms_norm_reference,
         description="RMSNorm over the last dim (fp32 reduction), optionally fused with the residual add",
         validate=validate_rms_norm,
+    ),
+    OpSpec(
+        name="fused.layer_norm",
+        family="fused",
+        signature="layer_norm(x[..., H], weight[H], bias[H] | None = None, eps: float = 1e-5) -> out",
+        reference=layer_norm_reference,
+        description="LayerNorm over the last dim (fp32 mean and variance, biased), optional bias",
+        validate=validate_layer_norm,
     ),
     OpSpec(
         name="fused.silu_and_mul",
@@ -238,6 +305,20 @@ def _rms_case(name, shape, residual, tags=frozenset({"quick"})):
         return x.numel() * x.element_size() * (4 if residual else 2)
 
     return OpCase("fused.rms_norm", name + ("_residual" if residual else ""), make, tags=tags, flops=moved)
+
+
+def _ln_case(name, shape, bias=True, tags=frozenset({"quick"})):
+    def make(device, dtype, gen):
+        x = _randn(shape, device, dtype, gen, scale=2.0) + 0.5
+        w = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
+        b = _randn((shape[-1],), device, dtype, gen, scale=0.1) if bias else None
+        return (x, w, b, 1e-5), {}
+
+    def moved(args, kwargs):
+        x = args[0]
+        return x.numel() * x.element_size() * 2
+
+    return OpCase("fused.layer_norm", name + ("" if bias else "_nobias"), make, tags=tags, flops=moved)
 
 
 def _silu_case(name, shape, tags=frozenset({"quick"})):
@@ -291,6 +372,12 @@ CASES = [
     _rms_case("t0_h64_empty", (0, 64), True),
     _rms_case("t4096_h4096", (4096, 4096), False, _GPU),
     _rms_case("t4096_h8192", (4096, 8192), True, _GPU),
+    _ln_case("t1_h33", (1, 33)),
+    _ln_case("t7_h128", (7, 128), bias=False),
+    _ln_case("b3_t5_h64", (3, 5, 64)),
+    _ln_case("t3_h1025", (3, 1025)),
+    _ln_case("t0_h64_empty", (0, 64)),
+    _ln_case("t4096_h4096", (4096, 4096), tags=_GPU),
     _silu_case("t1_d33", (1, 66)),
     _silu_case("t5_d128", (5, 256)),
     _silu_case("b2_t3_d17", (2, 3, 34)),

@@ -1,4 +1,4 @@
-"""GEMM ops: dense linear with a fused epilogue, W8A8 int8, and W4A16 GPTQ/AWQ.
+"""GEMM ops: dense linear with a fused epilogue, W8A8 int8, W4A16 GPTQ/AWQ, and FP8.
 
 * ``gemm.linear(x, weight, bias=None, activation="none")``:
   ``act(x @ weight.T + bias)`` for ``x [..., K]``, ``weight [N, K]`` (the framework
@@ -16,6 +16,14 @@
   [K/g, N]`` and zero points ``qzeros [K/g, N/8]`` (``None``: symmetric, zero point 8).
   ``group_size`` -1 means one group over K (per channel). ``x [..., K]`` fp16/bf16/fp32.
 
+* ``gemm.fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16)``:
+  ``(x_q * x_scale) @ (w_q * w_scale).T + bias`` for fp8 e4m3 ``x_q [M, K]``, ``w_q [N, K]``
+  (``float8_e4m3fn``, or ``float8_e4m3fnuz`` as MI300 uses; both the same), fp32 scales
+  either per tensor (one element) / per token (``[M]``, ``[M, 1]``) x per tensor / per
+  channel (``[N]``, ``[N, 1]``), or DeepSeek-V3 block scales: ``x_scale [M, ceil(K/128)]``
+  (per token per 128 K) with ``w_scale [ceil(N/128), ceil(K/128)]`` (per 128x128 block).
+  Output bf16, fp16 or fp32; ``bias [N]`` any float dtype. Quantizers: :mod:`graft.quant`.
+
 References compute in fp32 (dequantize, then matmul) and round once to the output dtype.
 """
 from __future__ import annotations
@@ -28,12 +36,14 @@ from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.ops._validate import check_same_device, check_tensor
-from graft.quant import FORMATS, PACK_FACTOR, dequantize_int4, unpack_int4
+from graft.quant import FORMATS, FP8_BLOCK, PACK_FACTOR, dequantize_fp8, dequantize_int4, unpack_int4
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W8A8_OUT_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf", "silu")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # --------------------------------------------------------------------------- references
@@ -77,6 +87,28 @@ def w4a16_reference(x, qweight, scales, qzeros=None, bias=None, group_size=128, 
     if bias is not None:
         y = y + bias.float()
     return y.reshape(*x.shape[:-1], w.shape[1]).to(x.dtype)
+
+
+def fp8_blockwise(x_q, w_q, x_scale, w_scale) -> bool:
+    """True when the scales are DeepSeek-V3 block scales (see the module docstring). Where a
+    shape fits both readings (K <= 128: [M, 1]) the two readings compute the same thing."""
+    (m, k), n = x_q.shape, w_q.shape[0]
+    kg, ng = -(-k // FP8_BLOCK), -(-n // FP8_BLOCK)
+    return (x_scale.dim() == 2 and w_scale.dim() == 2 and tuple(x_scale.shape) == (m, kg)
+            and tuple(w_scale.shape) == (ng, kg))
+
+
+def fp8_reference(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    if fp8_blockwise(x_q, w_q, x_scale, w_scale):
+        x = dequantize_fp8(x_q, x_scale, (1, FP8_BLOCK))
+        w = dequantize_fp8(w_q, w_scale, (FP8_BLOCK, FP8_BLOCK))
+    else:
+        x = x_q.float() * x_scale.float().reshape(-1, 1)
+        w = w_q.float() * w_scale.float().reshape(-1, 1)
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 # --------------------------------------------------------------------------- validation
@@ -139,6 +171,34 @@ def validate_w8a8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.float16
     _check_bias(op, bias, n, FLOAT_DTYPES, x_q.device)
     if out_dtype not in W8A8_OUT_DTYPES:
         raise GraftInputError(f"{op}: out_dtype {out_dtype} not supported; expected torch.float16 or torch.bfloat16")
+
+
+def validate_fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    op = "gemm.fp8"
+    check_tensor(f"{op}: x_q", x_q, dtypes=FP8_DTYPES, ndim=2)
+    check_tensor(f"{op}: w_q", w_q, dtypes=FP8_DTYPES, ndim=2)
+    check_same_device(x_q=x_q, w_q=w_q)
+    if w_q.dtype != x_q.dtype:
+        raise GraftInputError(f"{op}: w_q dtype {w_q.dtype} must match x_q dtype {x_q.dtype}")
+    (m, k), n = x_q.shape, w_q.shape[0]
+    if w_q.shape[1] != k:
+        raise GraftInputError(f"{op}: K mismatch: x_q [M, K] has K={k} but w_q [N, K] has K={w_q.shape[1]}")
+    for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+        check_tensor(f"{op}: {name}", scale, dtypes=(torch.float32,), device=x_q.device)
+    kg, ng = -(-k // FP8_BLOCK), -(-n // FP8_BLOCK)
+    if not fp8_blockwise(x_q, w_q, x_scale, w_scale):
+        x_block = x_scale.dim() == 2 and tuple(x_scale.shape) == (m, kg) and kg > 1
+        w_block = w_scale.dim() == 2 and tuple(w_scale.shape) == (ng, kg) and kg > 1
+        if x_block or w_block:
+            raise GraftInputError(
+                f"{op}: block scales need both x_scale [M, ceil(K/128)] = [{m}, {kg}] and w_scale "
+                f"[ceil(N/128), ceil(K/128)] = [{ng}, {kg}]; got {tuple(x_scale.shape)} and {tuple(w_scale.shape)}"
+            )
+        _check_scale(op, "x_scale", x_scale, m, f"per token; or [{m}, {kg}] per 128-group with block w_scale", x_q.device)
+        _check_scale(op, "w_scale", w_scale, n, f"per channel; or [{ng}, {kg}] per 128x128 block", x_q.device)
+    _check_bias(op, bias, n, FLOAT_DTYPES, x_q.device)
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise GraftInputError(f"{op}: out_dtype {out_dtype} not supported; expected torch.bfloat16, float16 or float32")
 
 
 def w4a16_dims(x, qweight, format):
@@ -221,6 +281,16 @@ OPS = [
         validate=validate_w4a16,
         dtypes=FLOAT_DTYPES,
     ),
+    OpSpec(
+        name="gemm.fp8",
+        family="gemm",
+        signature="fp8(x_q[M, K] fp8e4m3, w_q[N, K] fp8e4m3, x_scale[1]|[M]|[M, K/128], w_scale[1]|[N]|[N/128, K/128], "
+        "bias[N]=None, out_dtype=bfloat16) -> y[M, N]",
+        reference=fp8_reference,
+        description="fp8 e4m3 GEMM, fp32 accumulation, per-tensor/row or DeepSeek-V3 128x128 block scales",
+        validate=validate_fp8,
+        dtypes=FP8_DTYPES,
+    ),
 ]
 
 
@@ -237,6 +307,11 @@ def w8a8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.float16):
 def w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gptq"):
     """``x @ dequant(qweight) + bias`` for GPTQ/AWQ int4 weights; see the module docstring."""
     return call("gemm.w4a16", x, qweight, scales, qzeros, bias, group_size, format)
+
+
+def fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """``(x_q * x_scale) @ (w_q * w_scale).T + bias`` in ``out_dtype``; see the module docstring."""
+    return call("gemm.fp8", x_q, w_q, x_scale, w_scale, bias, out_dtype)
 
 
 # --------------------------------------------------------------------------- cases
@@ -292,6 +367,26 @@ def _w4a16_inputs(lead, n, k, group_size, fmt, zeros=True, bias=False):
     return make
 
 
+def _fp8_inputs(m, n, k, scales, bias):
+    from graft.quant import quantize_fp8_block, quantize_fp8_per_tensor, quantize_fp8_per_token_group
+
+    def make(device, out_dtype, gen):
+        x = _randn(gen, m, k)
+        w = _randn(gen, n, k, scale=1.0 / math.sqrt(k))
+        if scales == "block":
+            (x_q, xs), (w_q, ws) = quantize_fp8_per_token_group(x), quantize_fp8_block(w)
+        elif scales == "tensor":
+            (x_q, xs), (w_q, ws) = quantize_fp8_per_tensor(x), quantize_fp8_per_tensor(w)
+        else:  # per token x per channel
+            whole_row = max(k, 1)  # one group spanning K: one scale per row
+            (x_q, xs), (w_q, ws) = quantize_fp8_per_token_group(x, whole_row), quantize_fp8_per_token_group(w, whole_row)
+        b = _randn(gen, n).to(out_dtype) if bias else None
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return (to(x_q), to(w_q), to(xs.float()), to(ws.float()), to(b), out_dtype), {}
+
+    return make
+
+
 def _reduction_k(args, kwargs):
     return args[0].shape[-1]
 
@@ -304,6 +399,10 @@ def _flops_linear(args, kwargs):
 def _flops_w8a8(args, kwargs):
     x_q, w_q = args[0], args[1]
     return 2.0 * x_q.shape[0] * x_q.shape[1] * w_q.shape[0]
+
+
+def _flops_fp8(args, kwargs):
+    return _flops_w8a8(args, kwargs)
 
 
 def _flops_w4a16(args, kwargs):
@@ -360,6 +459,14 @@ def _cases():
         for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
             make = _w4a16_inputs((m,), n, k, 128, fmt)
             cases.append(_case("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", make, _HALF_DTYPES, _GPU, _flops_w4a16))
+    for m, n, k, scales, bias in [(1, 7, 16, "tensor", False), (17, 48, 33, "row", True), (5, 130, 300, "block", False),
+                                  (64, 129, 128, "block", True)]:
+        make = _fp8_inputs(m, n, k, scales, bias)
+        cases.append(_case("gemm.fp8", f"m{m}_n{n}_k{k}_{scales}{'_bias' if bias else ''}", make, _HALF_DTYPES, _QUICK,
+                           _flops_fp8))
+    for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
+        make = _fp8_inputs(m, n, k, "block", False)
+        cases.append(_case("gemm.fp8", f"m{m}_n{n}_k{k}_block", make, _HALF_DTYPES, _GPU, _flops_fp8))
     return cases
 
 

@@ -12,14 +12,20 @@ Semantics (shared by every backend; the torch references below define them):
 
 ``topk_routing(router_logits [T, E], top_k, renormalize, scoring="softmax")``
     Scores are ``softmax`` over experts in fp32 (or ``sigmoid`` per expert), then the
-    ``top_k`` largest scores per token, largest first. Ties go to the lowest expert id.
+    ``top_k`` largest scores per token, largest first. Ties go to the lowest expert id;
+    a NaN score ranks above every number (as in ``torch.sort``), so a row of NaN logits
+    picks experts 0..k-1 with NaN weights instead of an undefined id.
     With ``renormalize`` each token's k weights are divided by their sum. Returns
     ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])``.
 
 ``align_block_size(topk_ids [T, k] int32, block_size, num_experts)``
     Flattened slot ``i = t * k + j`` (token t, slot j) is grouped by expert
     ``topk_ids[t, j]``; experts in increasing id order, slots of one expert in
-    increasing ``i`` (stable). Each expert's group is padded up to a multiple of
+    increasing ``i`` (stable). A slot whose id is ``-1`` (its expert is on another rank
+    under expert parallelism, as vLLM and Megatron mark it) is skipped: never placed,
+    never counted. Ids ``< -1`` or ``>= num_experts`` are rejected by the value checks
+    and skipped the same way when those are off (``GRAFT_CHECK_VALUES=0``, tracing, CUDA
+    graphs), so no kernel ever indexes with them. Each expert's group is padded up to a multiple of
     ``block_size`` with the sentinel ``T * k``; an expert with no slots gets no block.
     Returns ``sorted_token_ids`` int32 of fixed size ``T*k + num_experts*(block_size-1)``
     (entries past the used part are the sentinel), ``expert_ids`` int32 of size
@@ -30,6 +36,8 @@ Semantics (shared by every backend; the torch references below define them):
 ``fused_experts(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k], activation="silu")``
     ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u)`` with ``e = topk_ids[t, j]``
     and ``[g; u] = w13[e] @ hidden[t]`` (gate = the first I rows of w13, as in vLLM).
+    A slot with a skipped id (see above) contributes nothing, as in vLLM's fused MoE under
+    expert parallelism.
     Returns [T, H] in hidden's dtype.
 """
 from __future__ import annotations
@@ -39,12 +47,16 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu",)
+NOT_ON_RANK = -1  # expert id of a slot whose expert lives on another rank (expert parallelism)
+_FLOAT_SET = frozenset(FLOAT_DTYPES)
+# sorted_token_ids are int32 indices: the padded length num_slots + E*(block_size-1) must fit.
+MAX_ALIGNED = 2**31 - 1
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -60,11 +72,19 @@ def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = Non
     if num_tokens is not None and topk_ids.shape[0] != num_tokens:
         raise GraftInputError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, expected {num_tokens} (one per token)")
     if can_read_values(topk_ids):
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
+        lo, hi = torch.aminmax(topk_ids)  # one pass; the details only when something is out of range
+        out_of_range = lo < NOT_ON_RANK or hi >= num_experts
+        bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)] if out_of_range else topk_ids[:0]
+        if bad.numel():
             raise GraftInputError(
-                f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}), got values in [{lo}, {hi}]"
+                f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}) or be {NOT_ON_RANK} "
+                f"(an expert on another rank), got {int(bad[0])} ({bad.numel()} such ids)"
             )
+
+
+def valid_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Which ids take part: the others (-1, or out of range with the value checks off) are skipped."""
+    return (ids >= 0) & (ids < num_experts)
 
 
 # ---------------------------------------------------------------- topk_routing
@@ -107,6 +127,11 @@ def validate_align_block_size(topk_ids, block_size, num_experts):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise GraftInputError(f"{op}: {name} must be a positive int, got {value!r}")
     _check_ids(op, topk_ids, num_experts)
+    if aligned_sizes(topk_ids.numel(), block_size, num_experts)[0] > MAX_ALIGNED:
+        raise GraftInputError(
+            f"{op}: num_slots + num_experts * (block_size - 1) must be at most 2**31 - 1 (int32 token indices); "
+            f"got block_size={block_size}, num_experts={num_experts} for {topk_ids.numel()} slots"
+        )
 
 
 def align_block_size_reference(topk_ids, block_size, num_experts):
@@ -116,13 +141,15 @@ def align_block_size_reference(topk_ids, block_size, num_experts):
     max_padded, max_blocks = aligned_sizes(num_slots, block_size, num_experts)
     sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
     expert_ids = torch.full((max_blocks,), -1, dtype=torch.int32, device=device)
-    counts = torch.bincount(flat, minlength=num_experts)
+    slots = torch.nonzero(valid_ids(flat, num_experts)).flatten()  # skipped ids are never placed
+    experts = flat[slots]
+    counts = torch.bincount(experts, minlength=num_experts)
     padded = (counts + block_size - 1) // block_size * block_size
     starts = torch.cumsum(padded, 0) - padded
-    order = torch.sort(flat, stable=True).indices  # stable: slots of one expert in index order
-    if num_slots:
-        rank = torch.arange(num_slots, device=device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
-        sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    order = torch.sort(experts, stable=True).indices  # stable: slots of one expert in index order
+    if slots.numel():
+        rank = torch.arange(slots.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[experts[order]]
+        sorted_ids[starts[experts[order]] + rank] = slots[order].to(torch.int32)
     total = int(padded.sum())
     blocks = torch.arange(total // block_size, device=device)
     ends_in_blocks = torch.cumsum(padded, 0) // block_size
@@ -138,6 +165,19 @@ def align_block_size(topk_ids, block_size, num_experts):
 # ---------------------------------------------------------------- fused_experts
 
 def validate_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
+    # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
+    if (isinstance(hidden, torch.Tensor) and isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+            and isinstance(topk_weights, torch.Tensor) and isinstance(topk_ids, torch.Tensor)
+            and hidden.dtype in _FLOAT_SET and w13.dtype == hidden.dtype and w2.dtype == hidden.dtype
+            and topk_weights.dtype in _FLOAT_SET and topk_ids.dtype == torch.int32 and hidden.ndim == 2
+            and w13.ndim == 3 and w2.ndim == 3 and topk_weights.ndim == 2 and topk_ids.shape == topk_weights.shape
+            and w13.shape[2] == hidden.shape[1] and w13.shape[1] and not w13.shape[1] % 2
+            and w2.shape[0] == w13.shape[0] and w2.shape[1] == hidden.shape[1] and 2 * w2.shape[2] == w13.shape[1]
+            and topk_ids.ndim == 2 and topk_ids.shape[0] == hidden.shape[0] and 0 < topk_ids.shape[1] <= w13.shape[0]
+            and activation in ACTIVATIONS and w13.device == hidden.device and w2.device == hidden.device
+            and topk_weights.device == hidden.device and topk_ids.device == hidden.device
+            and not checks_values_on(topk_ids)):
+        return
     op = "moe.fused_experts"
     check_tensor(f"{op}: hidden", hidden, dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor(f"{op}: w13", w13, ndim=3)

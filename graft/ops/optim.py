@@ -14,7 +14,14 @@ one tensor, with the semantics of DeepSpeed's (and Apex's) ``multi_tensor_adam``
 Math is fp32; each result is rounded once to its input's dtype (bf16/fp16 params may
 keep fp32 moments). The op is functional: it returns new ``(param, exp_avg, exp_avg_sq)``
 and never writes its inputs, so an optimized kernel can be a plain ``torch.library``
-custom op; callers copy the results back (the DeepSpeed adapter does).
+custom op.
+
+Optimizers step many tensors in place: :func:`adam_step_` takes lists and updates them
+in place. It selects the implementation once per call (on the first tensor); when that is
+graft's torch backend, every tensor goes through ONE ``torch._fused_adam_`` /
+``torch._fused_adamw_`` call (what ``torch.optim.Adam(fused=True)`` runs), so graft adds
+no per-tensor launches or copies over torch's optimizer. Other backends (vendor kernels,
+which are functional custom ops) run per tensor and their results are copied back.
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ def adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps,
 def _check_number(name, value, low, high, *, high_open=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GraftInputError(f"{OP}: {name} must be a number, got {type(value).__name__}")
-    if value < low or value > high or (high_open and value == high):
+    if not low <= value <= high or (high_open and value == high):  # NaN fails every comparison
         bound = ")" if high_open else "]"
         raise GraftInputError(f"{OP}: {name} must be in [{low}, {high}{bound}, got {value}")
 
@@ -101,6 +108,125 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
     """One Adam/AdamW update; returns new ``(param, exp_avg, exp_avg_sq)`` (see the module doc)."""
     return call(OP, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                 weight_decay, adam_w_mode, bias_correction)
+
+
+# ---------------------------------------------------------------------------- torch backend
+
+TORCH_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def _torch_fused_reason(param, exp_avg, exp_avg_sq, bias_correction) -> str | None:
+    """Why torch's fused Adam kernel cannot run this update (None: it can)."""
+    if not bias_correction:
+        return "bias_correction=False (torch's fused Adam always corrects)"
+    if param.device.type not in TORCH_FUSED_DEVICES:
+        return f"device {param.device.type}"
+    if not (param.dtype == exp_avg.dtype == exp_avg_sq.dtype):
+        return "moments in another dtype than the parameter"
+    return None
+
+
+def _torch_fused_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode):
+    """One in-place ``torch._fused_adam(w)_`` over every tensor (all contiguous, one device, one dtype).
+
+    Same math as the reference; AdamW applies the decay as ``p *= 1 - lr * wd`` first, which
+    is the reference's ``p - lr * (update + wd * p)`` regrouped (fp32 rounding differs by an ulp).
+    """
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    # torch keeps the step count in a tensor on the parameters' device (fp32, as torch.optim does).
+    steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
+    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+          weight_decay=float(weight_decay), eps=float(eps), amsgrad=False, maximize=False)
+
+
+def adam_step_torch(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
+                    weight_decay=0.0, adam_w_mode=True, bias_correction=True):
+    """graft's torch backend: torch's fused Adam kernel on copies (the op is functional); the
+    reference where that kernel does not apply (no bias correction, mixed state dtypes)."""
+    if _torch_fused_reason(param, exp_avg, exp_avg_sq, bias_correction) is not None or param.numel() == 0:
+        return adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay,
+                                   adam_w_mode, bias_correction)
+    fmt = torch.contiguous_format
+    p, m, v = (t.clone(memory_format=fmt) for t in (param, exp_avg, exp_avg_sq))
+    _torch_fused_([p], [grad.contiguous()], [m], [v], lr, beta1, beta2, eps, step, weight_decay, adam_w_mode)
+    return p, m, v
+
+
+def torch_implementation():
+    """The ``torch`` backend of fused.adam_step (ranks above the plain reference)."""
+    from graft.registry import Implementation
+
+    return Implementation(
+        op=OP, backend="torch", fn=adam_step_torch, provider="graft",
+        description="torch._fused_adam(w)_ (what torch.optim.Adam(fused=True) runs); reference otherwise",
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
+    )
+
+
+# ---------------------------------------------------------------------------- in place, many tensors
+
+
+def validate_adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step,
+                        weight_decay=0.0, adam_w_mode=True, bias_correction=True):
+    lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs))
+    for name, value in lists:
+        if not isinstance(value, (list, tuple)):
+            raise GraftInputError(f"{OP}: {name} must be a list of tensors, got {type(value).__name__}")
+    lengths = {name: len(value) for name, value in lists}
+    if len(set(lengths.values())) > 1:
+        raise GraftInputError(f"{OP}: the tensor lists differ in length: {lengths}")
+    if not params:
+        return
+    # The scalars and the first tensor get the full check; the others the cheap per-tensor part.
+    validate_adam_step(params[0], grads[0], exp_avgs[0], exp_avg_sqs[0], lr, beta1, beta2, eps, step, weight_decay,
+                       adam_w_mode, bias_correction)
+    for i in range(1, len(params)):
+        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        if not all(isinstance(t, torch.Tensor) for t in (p, g, m, v)):
+            raise GraftInputError(f"{OP}: element {i} of the tensor lists is not a tensor")
+        if not (p.shape == g.shape == m.shape == v.shape) or g.dtype != p.dtype or m.dtype != v.dtype \
+                or not (p.device == g.device == m.device == v.device):
+            validate_adam_step(p, g, m, v, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
+        if p.dtype not in FLOAT_DTYPES or m.dtype not in FLOAT_DTYPES:
+            validate_adam_step(p, g, m, v, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
+
+
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step,
+               weight_decay=0.0, adam_w_mode=True, bias_correction=True) -> str | None:
+    """In-place Adam/AdamW over lists of tensors (the optimizer's form of fused.adam_step).
+
+    Returns the backend that served (None for empty lists). The implementation is selected
+    once, on the first tensor; tensors that do not share its device and dtypes, or that are
+    not contiguous, take the per-tensor path of the same selection rules.
+    """
+    from graft.dispatch import select
+
+    validate_adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay,
+                        adam_w_mode, bias_correction)
+    if not params:
+        return None
+    p0, m0 = params[0], exp_avgs[0]
+    scalars = (lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
+    impl = select(OP, p0, grads[0], m0, exp_avg_sqs[0], *scalars)
+    rest = list(range(len(params)))
+    if impl.backend == "torch" and _torch_fused_reason(p0, m0, exp_avg_sqs[0], bias_correction) is None:
+        same = [i for i in rest if params[i].device == p0.device and params[i].dtype == p0.dtype
+                and exp_avgs[i].dtype == m0.dtype and exp_avg_sqs[i].dtype == m0.dtype
+                and all(t.is_contiguous() for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))]
+        if same:
+            pick = (lambda ts: ts) if len(same) == len(params) else (lambda ts: [ts[i] for i in same])
+            _torch_fused_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr, beta1, beta2, eps,
+                          step, weight_decay, adam_w_mode)
+            served = set(same)
+            rest = [i for i in rest if i not in served]
+    for i in rest:
+        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        fn = impl.fn if i == 0 else select(OP, p, g, m, v, *scalars).fn
+        new_p, new_m, new_v = fn(p, g, m, v, *scalars)
+        p.copy_(new_p)
+        m.copy_(new_m)
+        v.copy_(new_v)
+    return impl.backend
 
 
 OPS = [

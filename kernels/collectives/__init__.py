@@ -15,6 +15,13 @@ Modules:
 ``overlap``
     Tensor-parallel linear layers with communication hidden behind the GEMM: chunked
     GEMM + reduce-scatter, and all-gather + GEMM, pipelined with async work handles.
+``fastpath``
+    The hot path of every graft collective: one cached plan per call signature (checks,
+    cross-rank agreement and selection done once), and the in-place, ``async_op`` forms.
+``agreement``
+    The cross-rank agreement on shapes, dtypes, algorithm and settings (through the
+    process group's store), once per signature or before every call.
 ``bench``
-    nccl-tests style benchmark: ``python -m graft.kernels.collectives.bench``.
+    nccl-tests style benchmark (``python -m graft.kernels.collectives.bench``) and
+    ``overhead()``: graft's collectives against the library calls, interleaved medians.
 """

@@ -1,5 +1,6 @@
 """What every collectives implementation needs: process groups by name, reduce ops,
-the size/topology thresholds (environment variables) and flat padding helpers.
+the collectives settings (read once per configuration generation), library calls that
+honour graft's collective timeout, and flat padding helpers.
 
 Custom ops cannot carry a ``ProcessGroup`` object through a ``torch.library`` schema,
 so every graft collective custom op takes the group's *name* (``group.group_name``)
@@ -7,13 +8,18 @@ and resolves it here with torch's own registry of process groups.
 """
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from graft.config import declare_env_var
-from graft.errors import GraftConfigError
+from graft.errors import GraftCollectiveError, GraftConfigError
+
+log = logging.getLogger("graft.collectives")
 
 ONESHOT_MAX_BYTES_VAR = declare_env_var(
     "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES",
@@ -29,9 +35,8 @@ MAX_WORLD_VAR = declare_env_var(
 )
 OVERLAP_CHUNKS_VAR = declare_env_var(
     "GRAFT_OVERLAP_CHUNKS",
-    "pipeline depth (chunks) of the GEMM + collective overlap ops (default 4)",
+    "pipeline depth (chunks) of the GEMM + collective overlap ops (default 4, at most 1024)",
 )
-
 OVERLAP_MIN_BYTES_VAR = declare_env_var(
     "GRAFT_OVERLAP_MIN_BYTES",
     "smallest collective (bytes) the GEMM + collective overlap ops pipeline (default 1048576 = 1 MiB)",
@@ -40,20 +45,32 @@ QUANT_MIN_BYTES_VAR = declare_env_var(
     "GRAFT_QUANTIZED_GATHER_MIN_BYTES",
     "smallest per-rank input (bytes) the int8 all-gather quantizes; smaller ones gather exactly (default 65536)",
 )
+VALIDATE_VAR = declare_env_var(
+    "GRAFT_COLLECTIVES_VALIDATE",
+    "'signature' (default): ranks agree on shapes, dtypes, algorithm and settings on the first call of each "
+    "signature; 'always': before every call",
+)
+TIMEOUT_VAR = declare_env_var(
+    "GRAFT_COLLECTIVES_TIMEOUT",
+    "seconds a graft collective may wait for its peers before raising (default: the process group's timeout)",
+)
 
 DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024
 DEFAULT_TWOSHOT_MAX_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_WORLD = 8
 DEFAULT_OVERLAP_CHUNKS = 4
+MAX_OVERLAP_CHUNKS = 1024
 DEFAULT_OVERLAP_MIN_BYTES = 1024 * 1024
 DEFAULT_QUANT_MIN_BYTES = 64 * 1024
+_INT_LIMIT = 1 << 62  # thresholds travel through int64 custom-op arguments
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+VALIDATE_MODES = ("signature", "always")
 
 
-def env_int(name: str, default: int, minimum: int = 0) -> int:
+def env_int(name: str, default: int, minimum: int = 0, maximum: int = _INT_LIMIT, environ=None) -> int:
     """An integer variable; a clear GraftConfigError for anything else."""
-    raw = os.environ.get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
         return default
     text = raw.strip().lower().replace("_", "")
@@ -70,45 +87,138 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
         ) from None
     if value < minimum:
         raise GraftConfigError(f"{name}={raw!r} must be >= {minimum}")
+    if value > maximum:
+        raise GraftConfigError(f"{name}={raw!r} must be <= {maximum}")
+    return value
+
+
+def _validate_mode(environ) -> str:
+    raw = environ.get(VALIDATE_VAR)
+    value = (raw or "").strip().lower()
+    if value in ("", "1", "true", "yes", "on", "signature"):
+        return "signature"
+    if value == "always":
+        return "always"
+    if value in ("0", "false", "no", "off"):
+        # The first-use agreement is what turns a mismatch into an error instead of a
+        # gloo abort or uninitialised memory: it cannot be switched off (it costs nothing
+        # after the first call of a signature). Only the per-call exchange is optional.
+        log.info("%s=%s: the per-call exchange is off (the default); ranks still agree once per signature",
+                 VALIDATE_VAR, raw)
+        return "signature"
+    raise GraftConfigError(f"{VALIDATE_VAR}={raw!r} is not valid; use 'signature' (default, also 1) or 'always'")
+
+
+def _timeout(environ) -> float | None:
+    raw = environ.get(TIMEOUT_VAR)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw.strip().lower().rstrip("s"))
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < 1e7):  # also rejects nan and inf
+        raise GraftConfigError(f"{TIMEOUT_VAR}={raw!r} must be a number of seconds > 0 (e.g. 300)")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The GRAFT_* variables of the collectives, parsed once per configuration generation.
+
+    Every field must be the same on every rank of a group: the agreement compares them
+    (``fingerprint``) so that ranks configured differently fail clearly instead of
+    running different algorithms against each other (a hang).
+    """
+
+    validate: str = "signature"
+    timeout_s: float | None = None
+    oneshot_max_bytes: int = DEFAULT_ONESHOT_MAX_BYTES
+    twoshot_max_bytes: int = DEFAULT_TWOSHOT_MAX_BYTES
+    max_world: int = DEFAULT_MAX_WORLD
+    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS
+    overlap_min_bytes: int = DEFAULT_OVERLAP_MIN_BYTES
+    quantized_min_bytes: int = DEFAULT_QUANT_MIN_BYTES
+
+    def fingerprint(self) -> dict:
+        return asdict(self)
+
+
+def read_settings(environ=None) -> Settings:
+    """Parse the collectives variables now (``settings()`` is the cached view)."""
+    env = os.environ if environ is None else environ
+    return Settings(
+        validate=_validate_mode(env),
+        timeout_s=_timeout(env),
+        oneshot_max_bytes=env_int(ONESHOT_MAX_BYTES_VAR, DEFAULT_ONESHOT_MAX_BYTES, environ=env),
+        twoshot_max_bytes=env_int(TWOSHOT_MAX_BYTES_VAR, DEFAULT_TWOSHOT_MAX_BYTES, environ=env),
+        max_world=env_int(MAX_WORLD_VAR, DEFAULT_MAX_WORLD, minimum=1, environ=env),
+        overlap_chunks=env_int(OVERLAP_CHUNKS_VAR, DEFAULT_OVERLAP_CHUNKS, 1, MAX_OVERLAP_CHUNKS, environ=env),
+        overlap_min_bytes=env_int(OVERLAP_MIN_BYTES_VAR, DEFAULT_OVERLAP_MIN_BYTES, environ=env),
+        quantized_min_bytes=env_int(QUANT_MIN_BYTES_VAR, DEFAULT_QUANT_MIN_BYTES, environ=env),
+    )
+
+
+def generation():
+    """graft's configuration generation (``graft.config.current()``: a new snapshot after
+    ``graft.reload_config()``, ``graft.override_config()`` or ``plugins.reset()``): the
+    collectives settings and plans are read again then. Cheap: a module attribute."""
+    from graft import config
+
+    return config._snapshot or config.current()
+
+
+_settings: tuple = (None, None)  # (generation, Settings)
+
+
+def settings() -> Settings:
+    global _settings
+    gen = generation()
+    cached_gen, value = _settings
+    if cached_gen is not gen:
+        value = read_settings(gen)  # the snapshot graft read, not os.environ now
+        _settings = (gen, value)
     return value
 
 
 def oneshot_max_bytes() -> int:
-    return env_int(ONESHOT_MAX_BYTES_VAR, DEFAULT_ONESHOT_MAX_BYTES)
+    return settings().oneshot_max_bytes
 
 
 def twoshot_max_bytes() -> int:
-    return env_int(TWOSHOT_MAX_BYTES_VAR, DEFAULT_TWOSHOT_MAX_BYTES)
+    return settings().twoshot_max_bytes
 
 
 def max_world() -> int:
-    return env_int(MAX_WORLD_VAR, DEFAULT_MAX_WORLD, minimum=1)
+    return settings().max_world
 
 
 def overlap_chunks() -> int:
-    return env_int(OVERLAP_CHUNKS_VAR, DEFAULT_OVERLAP_CHUNKS, minimum=1)
+    return settings().overlap_chunks
 
 
 def overlap_min_bytes() -> int:
-    return env_int(OVERLAP_MIN_BYTES_VAR, DEFAULT_OVERLAP_MIN_BYTES)
+    return settings().overlap_min_bytes
 
 
 def quantized_min_bytes() -> int:
-    return env_int(QUANT_MIN_BYTES_VAR, DEFAULT_QUANT_MIN_BYTES)
+    return settings().quantized_min_bytes
 
 
 def explicitly_requested(op: str, backend: str) -> bool:
-    """Does the priority variable in force for ``op`` (op, family, then global) name ``backend``?
+    """Did the user name ``backend`` in the priority variable that graft's selection uses for ``op``?
 
     Implementations that are correct but not faster on some device (the CPU) step aside
-    unless the user asked for them by name.
+    unless asked for by name. Asked of graft's own configuration (one parser, one order of
+    precedence); checks run when a call signature is first planned, not per call.
     """
-    from graft.config import op_env_var, split_list
+    from graft import config
+    from graft.plugins import get_registry
 
-    for var in (op_env_var(op), op_env_var(op.split(".")[0]), "GRAFT_BACKENDS"):
-        if var in os.environ:
-            return backend in split_list(os.environ[var])
-    return False
+    registry = get_registry()
+    parsed = config.load_settings(registry.backends(), registry.families())
+    priority, var = parsed.priority_for(op, registry.op(op).family)
+    return var is not None and backend in priority
 
 
 def resolve_group(group=None):
@@ -132,6 +242,93 @@ def group_rank(group=None) -> int:
 
 def backend_name(group=None) -> str:
     return str(dist.get_backend(resolve_group(group))).lower()
+
+
+def group_timeout(pg) -> float | None:
+    """The process group's own timeout in seconds (None if torch does not say)."""
+    try:
+        device = torch.device("cuda" if "nccl" in backend_name(pg) else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # private API: absent on some builds/backends
+        return None
+
+
+def timeout_seconds(pg) -> float | None:
+    """GRAFT_COLLECTIVES_TIMEOUT if set, else the process group's timeout."""
+    return settings().timeout_s or group_timeout(pg)
+
+
+def describe_group(pg) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except Exception:
+        ranks = list(range(dist.get_world_size(pg)))
+    return f"group {pg.group_name!r} (global ranks {', '.join(map(str, ranks))}; this is rank {dist.get_rank()})"
+
+
+def collective_error(op: str, pg, exc: BaseException) -> GraftCollectiveError:
+    """The error every live rank raises when a collective does not complete."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    timeout = timeout_seconds(pg)
+    limit = (f"{timeout:g} s ({TIMEOUT_VAR})" if settings().timeout_s else
+             f"the process group's timeout ({timeout:g} s)" if timeout else "the process group's timeout")
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        head = (f"{op} on {describe_group(pg)} did not complete within {limit}: a rank of the group did not "
+                "call it (it skipped the call, called another collective, or is stuck or gone)")
+    else:
+        head = f"{op} on {describe_group(pg)} failed: a peer left the group or the transport failed"
+    return GraftCollectiveError(f"{head} [{type(exc).__name__}: {text}]")
+
+
+def wait(work, pg=None) -> None:
+    """``work.wait()`` bounded by GRAFT_COLLECTIVES_TIMEOUT when that is set."""
+    timeout = settings().timeout_s
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout))
+
+
+class Work:
+    """The handle of an ``async_op=True`` graft collective: wraps the library's work so
+    that ``wait()`` honours graft's timeout and fails with graft's error (op, group and
+    ranks named), and runs the finishing step of multi-step algorithms (``finish``)."""
+
+    __slots__ = ("_work", "_op", "_pg", "_finish", "_done")
+
+    def __init__(self, work, op: str, pg, finish=None):
+        self._work, self._op, self._pg, self._finish, self._done = work, op, pg, finish, False
+
+    def wait(self, timeout=None) -> bool:
+        if self._done:
+            return True
+        try:
+            if self._work is not None:
+                if timeout is not None:
+                    self._work.wait(timeout)
+                else:
+                    wait(self._work, self._pg)
+        except RuntimeError as exc:
+            raise collective_error(self._op, self._pg, exc) from exc
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._finish is None and (self._work is None or self._work.is_completed()))
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def get_future(self):
+        return self._work.get_future() if self._work is not None and self._finish is None else None
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
 def message_bytes(t: torch.Tensor) -> int:
@@ -178,11 +375,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# Blocking library calls inside graft's algorithms go through async handles when a graft
+# timeout is set, so that GRAFT_COLLECTIVES_TIMEOUT bounds them (wait(timeout)).
+def _blocking(work_or_none, pg, async_op):
+    if async_op or work_or_none is None:
+        return work_or_none
+    wait(work_or_none, pg)
+    return None
+
+
 def all_gather_single(output, input, group=None, async_op=False):
     """Gather every rank's ``input`` (same shape on all) into ``output`` (world_size x larger)."""
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    bounded = async_op or settings().timeout_s is not None
+    return _blocking(_all_gather_single(output, input, group=group, async_op=bounded), group, async_op)
 
 
 def reduce_scatter_single(output, input, op="sum", group=None, async_op=False):
     """Reduce ``input`` over the ranks; rank r receives block r into ``output``."""
-    return _reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=group, async_op=async_op)
+    bounded = async_op or settings().timeout_s is not None
+    return _blocking(_reduce_scatter_single(output, input, op=REDUCE_OPS[op], group=group, async_op=bounded),
+                     group, async_op)
+
+
+def all_reduce_inplace(tensor, op="sum", group=None, async_op=False):
+    bounded = async_op or settings().timeout_s is not None
+    return _blocking(dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group, async_op=bounded), group, async_op)
+
+
+def all_to_all_single(output, input, group=None, async_op=False):
+    bounded = async_op or settings().timeout_s is not None
+    return _blocking(dist.all_to_all_single(output, input, group=group, async_op=bounded), group, async_op)

@@ -35,6 +35,7 @@ from graft.registry import Implementation
 
 from ._common import (
     all_gather_single,
+    all_to_all_single,
     backend_name,
     explicitly_requested,
     max_world,
@@ -63,7 +64,7 @@ def twoshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
     flat, chunk = padded_flat(x, ws)
     # Step 1: rank r receives chunk r of every peer (row p of `mine` = peer p's chunk r).
     mine = torch.empty_like(flat)
-    dist.all_to_all_single(mine, flat, group=pg)
+    all_to_all_single(mine, flat, group=pg)
     reduced = reduce_rows(mine.view(ws, chunk), reduce_op, x.dtype).contiguous()
     # Step 2: every rank collects all reduced chunks.
     out = torch.empty_like(flat)
@@ -72,6 +73,45 @@ def twoshot_generic(x: torch.Tensor, reduce_op: str, pg) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- GPU symmetric memory
+# What torch's symmetric-memory kernels accept (torch/csrc/distributed/c10d/symm_mem/
+# CUDASymmetricMemoryOps.cu): anything else raises inside torch, so the check turns it
+# into a fallback reason instead (logged once; the library all-reduce serves).
+SYMM_MEM_DTYPES = (torch.float32, torch.bfloat16)  # AT_DISPATCH_FLOAT_AND_BFLOAT16
+SYMM_MEM_REDUCE_OPS = ("sum",)
+TWOSHOT_WORLD_SIZES = (2, 4, 8)  # two_shot_all_reduce_out: DISPATCH_WORLD_SIZES_NO_DEFAULT
+SYMM_MEM_DEVICES = ("cuda",)  # CUDA and ROCm builds (torch calls both "cuda")
+
+
+def symm_mem_reason(algorithm: str, device_type: str, dtype, numel: int, element_size: int,
+                    storage_offset: int, world_size: int, reduce_op: str) -> str | None:
+    """Why the symmetric-memory kernel cannot take this call (None: it can)."""
+    if device_type not in SYMM_MEM_DEVICES:
+        return f"symmetric memory needs a CUDA/ROCm device, got {device_type}"
+    if dtype not in SYMM_MEM_DTYPES:
+        return (f"dtype {str(dtype).replace('torch.', '')}: the symmetric-memory kernels take float32 and "
+                "bfloat16 only")
+    if reduce_op not in SYMM_MEM_REDUCE_OPS:
+        return f"reduce op {reduce_op!r}: the symmetric-memory kernels only sum"
+    if algorithm == "twoshot" and world_size not in TWOSHOT_WORLD_SIZES:
+        return f"world size {world_size}: the two-shot kernel is built for {', '.join(map(str, TWOSHOT_WORLD_SIZES))} ranks"
+    # get_and_verify_alignment: byte size and byte offset multiples of max(4, element size);
+    # one_shot_all_reduce_copy also needs the input's offset alignment (capped at 16) to match
+    # the staging buffer's (offset 0): the offset must be a multiple of the size's alignment.
+    align = max(4, element_size)
+    nbytes = numel * element_size
+    if nbytes % align:
+        return f"{nbytes} bytes is not a multiple of {align}: the symmetric-memory kernels need {align}-byte sizes"
+    offset_bytes = storage_offset * element_size
+    if algorithm == "oneshot" and offset_bytes % _pow2_alignment(nbytes):
+        return (f"input starts {offset_bytes} bytes into its storage: the one-shot kernel needs the input "
+                "aligned like its staging buffer")
+    return None
+
+
+def _pow2_alignment(n: int) -> int:
+    return min(16, n & -n) if n else 16
+
+
 _symm_buffers: dict = {}  # (group name, device index) -> (buffer or None, reason or None)
 
 
@@ -153,8 +193,10 @@ def make_check(algorithm: str):
         if x.device.type == "cuda":
             if "nccl" not in backend_name(pg):
                 return f"GPU tensor on a {backend_name(pg)} group (needs NCCL + symmetric memory)"
-            if op != "sum":
-                return f"reduce op {op!r}: the symmetric-memory kernels only sum"
+            reason = symm_mem_reason(algorithm, x.device.type, x.dtype, x.numel(), x.element_size(),
+                                     x.storage_offset(), ws, op)
+            if reason is not None:
+                return reason
             _, reason = _symm_buffer(pg, x.device)
             return reason
         # CPU: correct and deterministic, but not faster than gloo's all-reduce (bench.py).

@@ -1,6 +1,7 @@
 """nccl-tests style benchmark of graft's collectives against the plain library collective.
 
     python -m graft.kernels.collectives.bench                       # CPU/gloo, 2 ranks, quick
+    python -m graft.kernels.collectives.bench overhead --ranks 2     # graft's own cost (``overhead()``)
     python -m graft.kernels.collectives.bench --backend nccl --ranks 8 \\
         --min-bytes 8 --max-bytes 512MiB --factor 2 --iters 50      # one GPU node
 
@@ -13,8 +14,7 @@ divided by this row's, both measured in the same run on the same buffers (> 1: f
 Absolute times describe this machine only; claims are made with ratios.
 
 Implementations per op: ``library`` (torch.distributed, what graft's reference runs),
-``graft`` (the public entry point: validation + selection + the selected impl; its
-ratio is the cost of the metadata exchange for small messages), ``oneshot`` /
+``graft`` (the public entry point: a cached per-signature plan + the selected impl), ``oneshot`` /
 ``twoshot`` (forced regardless of thresholds, to show where they pay), ``int8``
 (quantized all-gather vs the exact one), ``overlap`` (chunked GEMM + collective vs
 GEMM then collective, for M x 256 x 256 per-rank GEMMs sized so the collective moves
@@ -153,24 +153,27 @@ def _rank_main(rank: int, ws: int, port: int, args, queue) -> None:
         queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def run(args) -> list:
-    """Spawn ``args.ranks`` ranks, benchmark, return rank 0's rows."""
+def _spawn(target, ranks: int, args, timeout: float) -> dict:
+    """Run ``target(rank, ranks, port, args, queue)`` on ``ranks`` processes; {rank: result}."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, queue), daemon=True)
-             for r in range(args.ranks)]
+    procs = [ctx.Process(target=target, args=(r, ranks, port, args, queue), daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
     results, errors = {}, []
-    deadline = time.monotonic() + args.timeout * 4
+    deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < args.ranks and time.monotonic() < deadline:
+        while len(results) + len(errors) < ranks and time.monotonic() < deadline:
             try:
                 rank, rows, err = queue.get(timeout=1)
             except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    errors.append("a rank exited without a result: " +
+                                  ", ".join(f"rank {r}: exit {p.exitcode}" for r, p in enumerate(procs)))
+                    break
                 continue
             if err:
                 errors.append(f"rank {rank}: {err}")
@@ -182,8 +185,128 @@ def run(args) -> list:
                 p.kill()
             p.join(5)
     if errors or 0 not in results:
-        raise RuntimeError("benchmark failed:\n" + ("\n".join(errors) or "timed out"))
-    return results[0]
+        raise RuntimeError("benchmark failed:\n" + ("\n".join(errors) or f"timed out after {timeout:.0f} s"))
+    return results
+
+
+def run(args) -> list:
+    """Spawn ``args.ranks`` ranks, benchmark, return rank 0's rows."""
+    return _spawn(_rank_main, args.ranks, args, args.timeout * 4)[0]
+
+
+# ----------------------------------------------------------------------------- graft's overhead
+OVERHEAD_OPS = ("all_reduce", "all_reduce_", "all_gather", "all_gather_into", "reduce_scatter",
+                "reduce_scatter_into")
+
+
+def _overhead_pairs(x, ws: int):
+    """{name: (library call, graft call)} on the same buffers: functional ops against the
+    library collective on a fresh output (what a functional collective must allocate),
+    in-place ones against the library call on the caller's tensors."""
+    import torch.distributed as dist
+
+    from graft.kernels.collectives._common import _all_gather_single as all_gather_single  # torch's own
+    from graft.kernels.collectives._common import _reduce_scatter_single as library_reduce_scatter
+    from graft.ops import collectives as C
+
+    def reduce_scatter_single(out, inp):
+        return library_reduce_scatter(out, inp, op=dist.ReduceOp.SUM)
+
+    n = x.numel()
+    gathered, scattered = x.new_empty(ws * n), x.new_empty(n // ws)
+
+    def lib_all_reduce():
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
+
+    def lib_all_gather():
+        out = x.new_empty(ws * n)
+        all_gather_single(out, x)
+        return out
+
+    def lib_reduce_scatter():
+        out = x.new_empty(n // ws)
+        reduce_scatter_single(out, x)
+        return out
+
+    return {
+        "all_reduce": (lib_all_reduce, lambda: C.all_reduce(x)),
+        "all_reduce_": (lambda: dist.all_reduce(x), lambda: C.all_reduce_(x)),
+        "all_gather": (lib_all_gather, lambda: C.all_gather(x)),
+        "all_gather_into": (lambda: all_gather_single(gathered, x), lambda: C.all_gather_into(gathered, x)),
+        "reduce_scatter": (lib_reduce_scatter, lambda: C.reduce_scatter(x)),
+        "reduce_scatter_into": (lambda: reduce_scatter_single(scattered, x),
+                                lambda: C.reduce_scatter_into(scattered, x)),
+    }
+
+
+def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
+    try:
+        import statistics
+
+        import torch
+        import torch.distributed as dist
+
+        os.environ.setdefault("GRAFT_DISABLE_PLUGINS", "triton,hip,vllm,deepspeed,megatron")
+        for key in [k for k in os.environ if k.startswith("GRAFT_COLLECTIVES") or k == "GRAFT_BACKENDS"]:
+            del os.environ[key]  # graft's torch backend: only graft's own cost is measured
+        torch.set_num_threads(1)  # ranks share the cores with gloo's threads
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
+                                timeout=timedelta(seconds=args["timeout"]))
+        numel = args["numel"] // ws * ws
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        result = {}
+        for name, (lib, graft_fn) in _overhead_pairs(x, ws).items():
+            for _ in range(args["warmup"]):
+                lib()
+                graft_fn()
+            times = {"library": [], "graft": []}
+            dist.barrier()
+            for rnd in range(args["rounds"]):
+                # Interleaved, alternating which goes first. No barrier per batch (it would add
+                # its own noise): every rank runs the same sequence, the collectives couple them.
+                order = (("library", lib), ("graft", graft_fn)) if rnd % 2 == 0 else (("graft", graft_fn), ("library", lib))
+                for label, fn in order:
+                    start = time.perf_counter()
+                    for _ in range(args["batch"]):
+                        fn()
+                    times[label].append((time.perf_counter() - start) / args["batch"])
+            # Each rank's medians; the slowest rank's count (a collective is as slow as its slowest rank).
+            medians = torch.tensor([statistics.median(times["library"]), statistics.median(times["graft"])],
+                                   dtype=torch.float64)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            lib_us, graft_us = float(medians[0]) * 1e6, float(medians[1]) * 1e6
+            result[name] = {"library_us": lib_us, "graft_us": graft_us, "ratio": graft_us / lib_us}
+        dist.destroy_process_group()
+        queue.put((rank, result, None))
+    except BaseException as exc:
+        import traceback
+
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def overhead(world_size: int = 2, quick: bool = True, numel: int = 20_000, timeout: float = 120.0) -> dict:
+    """graft's collectives against the torch.distributed calls they wrap, on ``world_size``
+    gloo ranks of this machine (graft on its torch backend, so only graft's cost counts).
+
+    Measured in one run, interleaved (alternating order per round), medians of per-call
+    batch times (each rank's, then the slowest rank's). ``numel`` fp32 values per rank (20k: 80 KB).
+    Returns ``{"world_size", "numel", "dtype", "backend", "rounds", "ops": {name:
+    {"library_us", "graft_us", "ratio"}}, "max_ratio"}`` with ``ratio = graft / library``
+    for ``all_reduce``, ``all_gather``, ``reduce_scatter`` (functional) and ``all_reduce_``,
+    ``all_gather_into``, ``reduce_scatter_into`` (in place, what DeepSpeed's comm routes).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Many short interleaved rounds: a shared machine's noise hits both sides alike and the
+    # median discards it (a few long batches would each carry a different share of it).
+    params = {"numel": max(numel, world_size), "timeout": timeout, "warmup": 5 if quick else 20,
+              "rounds": 151 if quick else 501, "batch": 5}
+    ops = _spawn(_overhead_rank, world_size, params, timeout * 2)[0]
+    return {"world_size": world_size, "numel": params["numel"] // world_size * world_size, "dtype": "float32",
+            "backend": "gloo", "rounds": params["rounds"], "ops": ops,
+            "max_ratio": max(v["ratio"] for v in ops.values())}
 
 
 def format_table(rows: list, args) -> str:
@@ -224,6 +347,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "overhead":  # python -m graft.kernels.collectives.bench overhead [--ranks N] [--full]
+        ranks = int(argv[argv.index("--ranks") + 1]) if "--ranks" in argv else 2
+        res = overhead(ranks, quick="--full" not in argv)
+        print(f"# graft collectives overhead: {ranks} gloo rank(s), {res['numel']} fp32, medians of "
+              f"{res['rounds']} interleaved rounds; ratio = with graft / library")
+        for name, r in res["ops"].items():
+            print(f"{name:>20} {r['library_us']:10.1f} us {r['graft_us']:10.1f} us {r['ratio']:7.3f}x")
+        return 0
     args = parse_args(argv)
     print(format_table(run(args), args))
     return 0

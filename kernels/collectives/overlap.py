@@ -46,6 +46,7 @@ from ._common import (
     overlap_min_bytes,
     reduce_scatter_single,
     resolve_group,
+    wait,
 )
 
 
@@ -74,7 +75,7 @@ def _gemm_rs(a: torch.Tensor, b: torch.Tensor, chunks: int, group_name: str) -> 
         work = reduce_scatter_single(out[start:end], partial, group=pg, async_op=True)
         pending.append((work, partial))  # keep `partial` alive until its collective finished
     for work, _ in pending:
-        work.wait()
+        wait(work)
     return out
 
 
@@ -90,7 +91,7 @@ def _ag_gemm(a: torch.Tensor, b: torch.Tensor, chunks: int, group_name: str) -> 
         work = all_gather_single(gathered, piece, group=pg, async_op=True)
         in_flight.append((start, end, work, gathered, piece))
     for start, end, work, gathered, _ in in_flight:
-        work.wait()
+        wait(work)
         out[:, start:end] = (gathered @ b).view(ws, end - start, b.shape[1])
     return out.view(ws * rows, b.shape[1])
 

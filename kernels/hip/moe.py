@@ -8,7 +8,7 @@ from graft.custom_ops import define_op
 from graft.kernels.hip._build import load_extension
 from graft.kernels.hip._common import hip_implementation
 
-MAX_EXPERTS = 8192  # one token's scores sit in shared memory (4 bytes each)
+MAX_EXPERTS = 8192  # one token's scores and taken flags sit in shared memory (5 bytes each)
 
 
 def _topk(logits: torch.Tensor, top_k: int, renormalize: bool, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:

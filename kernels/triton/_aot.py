@@ -1,18 +1,29 @@
 """Compile every Triton kernel for GPU targets without a GPU (ahead-of-time check).
 
 The CPU interpreter accepts code the GPU compilers reject (reading a non-constexpr
-global, loop-carried values changing type, dot shapes below the MMA minimum...), so
-every ``@triton.jit`` kernel is also lowered with Triton's bundled toolchains to a
-cubin for sm_90 (Hopper) and an HSACO for gfx942 (MI300)::
+global, loop-carried values changing type, dot shapes below the MMA minimum...) and
+knows nothing of shared memory or registers, so every ``@triton.jit`` kernel is also
+lowered with Triton's bundled toolchains to a cubin for sm_90 (Hopper) and an HSACO for
+gfx942 (MI300), and each binary's resources are checked against the target's limits::
 
     TRITON_INTERPRET=0 python -m graft.kernels.triton._aot [--target sm_90|gfx942]... [--quick]
 
-Each kernel module declares what to compile in a module-level ``AOT_VARIANTS`` list of
-:class:`AotVariant` (built with :func:`variant`). The first variant listed for a kernel
-and target is its quick, representative one (``--quick``, what the tests compile); the
-rest make up the full sweep (dtypes, flags, tile tables). :func:`uncovered` names every
-``@triton.jit`` function of graft.kernels.triton that no variant compiles, directly or
-as a callee, so a new kernel cannot be left out. Exit status 1 on any failure or gap.
+Each kernel module declares what its launchers can launch in a module-level
+``AOT_VARIANTS`` list of :class:`AotVariant` (built with :func:`variant`), derived from
+the same tile tables and fitting rules the launchers use. A variant is compiled with the
+JIT's own specialisation (Triton's binder turns the variant's example argument values
+into the signature, constants and ``tt.divisibility`` attributes exactly as a launch
+does: an int equal to 1 becomes a constant, a multiple of 16 is marked divisible): by
+default every int is a multiple of 16 and every pointer 16-byte aligned (real model
+shapes; also the case that pipelines deepest and needs the most shared memory), with
+``values`` overriding (unit strides: ``stride_d=1``). The first variant of each kernel and
+target (its quick one, ``--quick``) is also compiled unaligned (odd ints), the other
+specialisation a launch can hit.
+
+Per variant it prints shared memory, registers and spills, and fails when shared memory
+or registers exceed the target's limits (:data:`LIMITS`). :func:`uncovered` names every
+``@triton.jit`` function of graft.kernels.triton that no variant compiles, directly or as
+a callee, so a new kernel cannot be left out. Exit status 1 on any failure or gap.
 
 Must run with TRITON_INTERPRET=0: under the interpreter kernels are wrapped at
 definition and cannot be compiled.
@@ -23,8 +34,12 @@ import argparse
 import ast
 import importlib
 import inspect
+import os
 import pkgutil
+import re
+import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -33,6 +48,16 @@ from dataclasses import dataclass, field
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 FAMILY = {"sm_90": "hopper", "gfx942": "cdna3"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+# Per-block limits. sm_90 (H100/H200): 227 KiB of shared memory per block (opt-in maximum),
+# 255 registers per thread and 64K per block. gfx942 (MI300): 64 KiB of LDS per workgroup,
+# 512 VGPRs per lane (256 architectural + 256 accumulation).
+LIMITS = {
+    "sm_90": {"shared": 232_448, "regs_per_thread": 255, "regs_per_block": 65_536},
+    "gfx942": {"shared": 65_536, "vgprs": 512},
+}
+ALIGNED_INT = 4096  # default example value of an int argument: a multiple of 16
+UNALIGNED_INT = 4097  # ... for the unaligned specialisation (not 1, not a multiple of 16)
 
 
 @dataclass
@@ -43,6 +68,7 @@ class AotVariant:
     pointer: str = "*fp16"  # type of every pointer argument not named in ``types``
     options: dict = field(default_factory=dict)  # num_warps, num_stages
     targets: tuple = tuple(TARGETS)
+    values: dict = field(default_factory=dict)  # example values of int arguments (default ALIGNED_INT)
 
     @property
     def name(self) -> str:
@@ -50,15 +76,18 @@ class AotVariant:
         return f"{self.kernel.fn.__module__}.{self.kernel.fn.__name__}[{self.pointer};{flags}]"
 
 
-def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=None, **types) -> AotVariant:
+def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=None, values=None,
+            **types) -> AotVariant:
     """One compile of ``kernel``. Arguments not in ``constexprs`` or ``types`` are typed by
     name (see :func:`signature`): pointers get ``pointer``, everything else is ``i32``
-    (sizes, strides); float scalars must be named in ``types`` (``eps="fp32"``)."""
-    unknown = (set(constexprs) | set(types)) - set(kernel.arg_names)
+    (sizes, strides); float scalars must be named in ``types`` (``eps="fp32"``). ``values``
+    gives example values of int arguments where the default (a multiple of 16) is not what
+    a launch passes, e.g. ``stride_d=1`` for a unit stride (the JIT makes it a constant)."""
+    unknown = (set(constexprs) | set(types) | set(values or {})) - set(kernel.arg_names)
     if unknown:
         raise TypeError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
     return AotVariant(kernel, dict(constexprs), dict(types), pointer, dict(options or {}),
-                      tuple(targets or TARGETS))
+                      tuple(targets or TARGETS), dict(values or {}))
 
 
 def per_target(table: dict):
@@ -73,14 +102,21 @@ def split_tiles(cfg: dict) -> tuple[dict, dict]:
             {k: v for k, v in cfg.items() if k in _LAUNCH_OPTIONS})
 
 
+def _constexpr_names(kernel) -> set:
+    """Arguments annotated ``tl.constexpr`` (also for interpreted kernels, which lack ``params``)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return {p.name for p in params if "constexpr" in str(getattr(p.annotation, "__name__", p.annotation))}
+
+
 def signature(v: AotVariant) -> dict:
     """Triton signature of a variant. A kernel names its pointers either ``*_ptr`` (then a
     Capitalised ``M``, ``N``, ``K`` is a size) or Capitalised (``Q``, ``K``, ``Out``)."""
     names = v.kernel.arg_names
     suffixed = any(name.endswith("_ptr") for name in names)
     sig = {}
+    declared = _constexpr_names(v.kernel)
     for name in names:
-        if name in v.constexprs:
+        if name in v.constexprs or name in declared:  # an omitted constexpr takes its default
             sig[name] = "constexpr"
         elif name in v.types:
             sig[name] = v.types[name]
@@ -171,39 +207,227 @@ def uncovered(modules=None) -> list[str]:
     return [f"{fn.fn.__module__}.{fn.fn.__name__}" for fn in jit_functions(modules) if fn not in covered]
 
 
-# --- compiling -------------------------------------------------------------------------
+# --- compiling ---------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
+                 "u8": "uint8", "i16": "int16", "i32": "int32", "i64": "int64", "i1": "bool", "fp8e4nv": "float8_e4m3fn",
+                 "fp8e5": "float8_e5m2", "fp8e4b8": "float8_e4m3fnuz", "fp8e5b16": "float8_e5m2fnuz"}
 
 
-def compile_variant(v: AotVariant, target: str):
+def launch_arguments(v: AotVariant, aligned: bool = True) -> dict:
+    """Example arguments of a launch of ``v``, by name (constexprs included)."""
+    import torch
+    from triton.runtime.jit import MockTensor  # data_ptr() == 0: 16-byte aligned, as torch allocations
+
+    sig = signature(v)
+    args = {}
+    for name in v.kernel.arg_names:
+        kind = sig[name]
+        if kind == "constexpr":
+            if name in v.constexprs:
+                args[name] = v.constexprs[name]
+        elif kind.startswith("*"):
+            args[name] = MockTensor(getattr(torch, _TORCH_DTYPES[kind[1:]]))
+        elif kind.startswith(("fp", "bf")):
+            args[name] = 1.5  # floats are never specialised
+        elif name in v.values:
+            args[name] = v.values[name]
+        elif kind == "i64":
+            args[name] = 2**33 + (0 if aligned else 1)
+        else:
+            args[name] = ALIGNED_INT if aligned else UNALIGNED_INT
+    return args
+
+
+def specialise(v: AotVariant, target: str, aligned: bool = True):
+    """(backend, options, signature, constexprs, attrs) as Triton's JIT derives them for
+    a launch of ``v`` on ``target`` (its own binder and argument packing)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend_name, arch, warp_size = TARGETS[target]
+    backend = make_backend(GPUTarget(backend_name, arch, warp_size))
+    kwargs = {"num_warps": 4, **v.options, **launch_arguments(v, aligned)}
+    binder = create_function_from_signature(v.kernel.signature, v.kernel.params, backend)
+    bound_args, specialization, options = binder(**kwargs)
+    options, sig, consts, attrs = v.kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return backend, options, sig, consts, attrs
+
+
+def compile_variant(v: AotVariant, target: str, aligned: bool = True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    backend, arch, warp_size = TARGETS[target]
-    sig = signature(v)
-    # Pointers 16-byte aligned, as torch allocations are: the vectorised load paths get compiled.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(v.kernel.arg_names) if sig[name].startswith("*")}
-    src = ASTSource(fn=v.kernel, signature=sig, constexprs=v.constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget(backend, arch, warp_size), options={"num_warps": 4, **v.options})
-    binary = "cubin" if backend == "cuda" else "hsaco"
+    backend_name, arch, warp_size = TARGETS[target]
+    _, options, sig, consts, attrs = specialise(v, target, aligned)
+    src = ASTSource(fn=v.kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget(backend_name, arch, warp_size), options=options.__dict__)
+    binary = "cubin" if backend_name == "cuda" else "hsaco"
     if not compiled.asm.get(binary):
         raise RuntimeError(f"no {binary} produced")
     return compiled
 
 
-def compile_all(targets=tuple(TARGETS), quick: bool = False, log=None) -> list[str]:
-    """Compile every variant for every target; returns the failures (all of them, not the first)."""
+def _cuobjdump() -> str:
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else "cuobjdump"
+
+
+def resources(compiled, target: str) -> dict:
+    """shared (bytes per block), regs (per thread), spills (bytes of local memory or scratch per thread)."""
+    found = {"shared": int(compiled.metadata.shared), "threads": int(compiled.metadata.num_warps) * TARGETS[target][2]}
+    if TARGETS[target][0] == "cuda":
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
+                                   check=True).stdout
+        regs = re.search(r"REG:(\d+)", usage)
+        local = re.search(r"LOCAL:(\d+)", usage)
+        if regs is None:
+            raise RuntimeError(f"cuobjdump -res-usage gave no register count: {usage!r}")
+        found.update(regs=int(regs.group(1)), spills=int(local.group(1)) if local else 0)
+    else:
+        text = compiled.asm["amdgcn"]
+
+        def field_(name):
+            m = re.search(rf"\.{name}:\s+(\d+)", text)
+            return int(m.group(1)) if m else 0
+
+        # .vgpr_count already counts the accumulation registers (.agpr_count) on gfx90a and later.
+        # Spills: VGPRs spilled plus scratch bytes (SGPR spills go to VGPR lanes, not memory).
+        found.update(regs=field_("vgpr_count"),
+                     spills=field_("vgpr_spill_count") + field_("private_segment_fixed_size"))
+    return found
+
+
+def over_limits(found: dict, target: str) -> list[str]:
+    """What in ``found`` (see :func:`resources`) exceeds ``target``'s limits."""
+    limits, problems = LIMITS[target], []
+    if found["shared"] > limits["shared"]:
+        problems.append(f"shared memory {found['shared']:,} B > {limits['shared']:,} B")
+    if target == "sm_90":
+        if found["regs"] > limits["regs_per_thread"]:
+            problems.append(f"{found['regs']} registers per thread > {limits['regs_per_thread']}")
+        if found["regs"] * found["threads"] > limits["regs_per_block"]:
+            problems.append(f"{found['regs']} registers x {found['threads']} threads > {limits['regs_per_block']:,}")
+    elif found["regs"] > limits["vgprs"]:
+        problems.append(f"{found['regs']} VGPRs > {limits['vgprs']}")
+    return problems
+
+
+RESOURCES_VERSION = 2  # bump when resources() changes what it records
+CACHE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_resources.json")
+
+
+def variant_key(v: AotVariant, target: str, aligned: bool = True) -> str:
+    """What a compile's result depends on: Triton's version, the target, the source of the
+    kernel and of every @triton.jit function it reaches, the JIT's specialisation and the
+    launch options. Equal keys compile to the same binary, so a recorded result stands in."""
+    import hashlib
+    import json
+
+    import triton
+
+    _, _, sig, consts, attrs = specialise(v, target, aligned)
+    sources = sorted(f"{fn.fn.__module__}.{fn.fn.__qualname__}\n{inspect.getsource(fn.fn)}" for fn in reachable({v.kernel}))
+    blob = json.dumps([RESOURCES_VERSION, triton.__version__, target, aligned, sources, sig, repr(sorted(consts.items())),
+                       repr(sorted(attrs.items())), sorted(v.options.items()),
+                       os.environ.get("TRITON_DEFAULT_FP_FUSION", "")], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def load_cache(path: str = CACHE_FILE) -> dict:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def save_cache(entries: dict, path: str = CACHE_FILE) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump(dict(sorted(entries.items())), f, indent=0, sort_keys=True)
+        f.write("\n")
+
+
+def _compile_job(job):
+    target, v, aligned = job
+    return resources(compile_variant(v, target, aligned), target)
+
+
+_FORKED_TODO: list = []  # what forked compile workers index into (variants do not pickle)
+
+
+def _forked_job(index: int):
+    return _compile_job(_FORKED_TODO[index])
+
+
+def compile_all(targets=tuple(TARGETS), quick: bool = False, log=None, selected=None, cache=None,
+                jobs: int = 1) -> list[str]:
+    """Compile every variant for every target and check its resources; returns the failures
+    (all of them, not the first). ``selected``: (target, variant) pairs instead of all of them.
+    ``cache`` (a dict, see :func:`variant_key`): results recorded for unchanged variants are
+    checked without compiling; new results are added to it. ``jobs``: compile processes."""
+    todo, first = [], set()
+    for target, v in (selected if selected is not None else variants(targets, quick)):
+        todo.append((target, v, True))
+        if (v.kernel, target) not in first:  # the quick variant: also the unaligned specialisation
+            first.add((v.kernel, target))
+            todo.append((target, v, False))
+    keys = [variant_key(v, target, aligned) if cache is not None else None for target, v, aligned in todo]
+    misses = [i for i, key in enumerate(keys) if cache is None or key not in cache]
+    results = {}
+    if jobs > 1 and len(misses) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        _FORKED_TODO[:] = todo
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {i: pool.submit(_forked_job, i) for i in misses}
+            for i, future in futures.items():
+                start = time.perf_counter()
+                try:
+                    results[i] = (future.result(), time.perf_counter() - start)
+                except Exception as exc:  # noqa: BLE001 - report every failure
+                    results[i] = (exc, 0.0)
     failures = []
-    for target, v in variants(targets, quick):
+    for i, (target, v, aligned) in enumerate(todo):
+        name = v.name if aligned else f"{v.name} (unaligned)"
         start = time.perf_counter()
-        try:
-            compile_variant(v, target)
-            status = "ok"
-        except Exception as exc:  # noqa: BLE001 - report every failure
+        if i in results:
+            found, seconds = results[i]
+        elif cache is not None and keys[i] in cache:
+            found, seconds = dict(cache[keys[i]]), None
+        else:
+            try:
+                found = _compile_job((target, v, aligned))
+            except Exception as exc:  # noqa: BLE001
+                found = exc
+            seconds = time.perf_counter() - start
+        usage = ""
+        if isinstance(found, Exception):
             status = "FAILED"
-            failures.append(f"{target} {v.name}: {type(exc).__name__}: {exc}")
+            failures.append(f"{target} {name}: {type(found).__name__}: {str(found)[:2000]}")
+        else:
+            if cache is not None:
+                cache[keys[i]] = {k: found[k] for k in ("shared", "regs", "spills", "threads")} | {"name": name,
+                                                                                                  "target": target}
+            usage = f"shared={found['shared']:>6} regs={found['regs']:>3} spills={found['spills']:>4} "
+            problems = over_limits(found, target)
+            status = "OVER" if problems else "ok"
+            failures += [f"{target} {name}: {p}" for p in problems]
         if log:
-            log(f"{status:6} {target:6} {time.perf_counter() - start:5.1f}s {v.name}")
+            took = "cached" if seconds is None else f"{seconds:5.1f}s"
+            log(f"{status:6} {target:6} {took:>6} {usage}{name}")
     return failures
 
 
@@ -214,13 +438,24 @@ def main(argv=None) -> int:
     parser.add_argument("--target", action="append", choices=sorted(TARGETS),
                         help="GPU target (repeatable; default: all of them)")
     parser.add_argument("--quick", action="store_true", help="one representative variant per kernel and target")
+    parser.add_argument("--cache", action="store_true",
+                        help=f"take results of unchanged variants from {os.path.basename(CACHE_FILE)} (compile the rest)")
+    parser.add_argument("--update-cache", action="store_true",
+                        help="compile what changed and rewrite the cache file with the results of this run")
+    parser.add_argument("--jobs", type=int, default=1, help="compile processes (default 1)")
     args = parser.parse_args(argv)
     if triton_interpret():
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     problems = [f"no AOT variant compiles {name} (add one to its module's AOT_VARIANTS)" for name in uncovered()]
     targets = tuple(args.target or TARGETS)
-    problems += compile_all(targets, args.quick, log=lambda line: print(line, flush=True))
+    cache = load_cache() if (args.cache or args.update_cache) else None
+    problems += compile_all(targets, args.quick, log=lambda line: print(line, flush=True), cache=cache,
+                            jobs=args.jobs)
+    if args.update_cache:  # keep the entries of today's full set (stale ones go)
+        wanted = {variant_key(v, t, True) for t, v in variants(targets)}
+        wanted |= {variant_key(v, t, False) for t, v in variants(targets, quick=True)}
+        save_cache({k: e for k, e in cache.items() if k in wanted or e["target"] not in targets})
     for problem in problems:
         print("FAILED", problem)
     print(f"{len(problems)} problem(s) for {', '.join(targets)}")

@@ -1,10 +1,193 @@
-"""Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, tile tables.
+"""Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, the one tile
+table (per architecture family and M range), split-K sizing and its deterministic reduce.
 
-The dot precision policy is graft.kernels.triton._dot's, as for every kernel family."""
+Design (why the pieces look the way they do):
+
+* **M buckets.** Decode-like M is memory bound on the weight: thin row tiles and long K
+  steps keep many weight loads in flight. Prefill-like M is compute bound: wide tiles with
+  deep pipelines. One table per architecture family lists ``(max_m, config)`` rows.
+* **K step in bytes.** A row's ``K_BYTES`` is the K step in bytes of the A operand, so one
+  table serves fp32 (BLOCK_K = K_BYTES / 4), fp16/bf16 (/2) and int8/fp8 (/1) and the
+  staged tiles take the same shared memory whatever the dtype. :func:`fit_shared` then
+  trims stages (and K) against the target's limit; the AOT check verifies the result.
+* **Split-K.** At small M the (M, N) tile grid has fewer programs than the GPU has SMs
+  (N=4096 with 64-wide tiles: 64 programs on 132 SMs). :func:`split_k` splits K across
+  programs until about two waves are in flight; each split writes its fp32 partial tile
+  to a workspace ``[SPLIT_K, M, N]`` and :func:`splitk_reduce` sums the splits in a
+  fixed order, then applies bias and activation: deterministic, no atomics.
+* **Grouped order.** :func:`tile_coords` walks bands of GROUP_M row tiles column by
+  column so concurrently running programs share weight tiles in L2.
+
+The dot precision policy is graft.kernels.triton._dot's, as for every kernel family.
+"""
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+from graft.platform import device_info
+
+# Per-family limits: shared memory per block (bytes) and SM/CU count for a device we
+# cannot query (AOT checks, "what if" planning). A live GPU's SM count is queried.
+SHARED_LIMIT = {"hopper": 232_448, "cdna3": 65_536, "blackwell": 232_448, "ampere": 166_912, "default": 101_376}
+SM_COUNT = {"hopper": 132, "cdna3": 304, "default": 80}
+
+_T = dict  # a tile config row, for readability of the table below
+
+# (max_m or None, config). BLOCK_K comes from K_BYTES unless a row names BLOCK_K itself.
+TILES = {
+    "hopper": (
+        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=4)),
+        (32, _T(BLOCK_M=32, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=4)),
+        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=128, GROUP_M=4, num_warps=4, num_stages=4)),
+        (128, _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4)),
+        # wgmma-sized tile for prefill: 128x256 with 3 stages is 144 KiB at 2-byte operands.
+        (None, _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)),
+    ),
+    # CDNA3: 64 KiB LDS, and the stream pipeliner keeps num_stages - 1 tiles in LDS.
+    "cdna3": (
+        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=2)),
+        (32, _T(BLOCK_M=32, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=2)),
+        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=128, GROUP_M=4, num_warps=4, num_stages=2)),
+        (128, _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=2)),
+        (None, _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=2)),
+    ),
+    "default": (
+        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=128, GROUP_M=1, num_warps=4, num_stages=3)),
+        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=64, GROUP_M=8, num_warps=4, num_stages=3)),
+        (None, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=64, GROUP_M=8, num_warps=4, num_stages=3)),
+    ),
+    # The interpreter runs programs one by one in numpy: few, mid-sized tiles are fastest.
+    "interpreter": (
+        (16, _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1)),
+        (None, _T(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=1, num_stages=1)),
+    ),
+}
+
+MIN_K_STEPS_PER_SPLIT = 4  # below this the prologue/epilogue of a split outweighs its loop
+MAX_SPLIT_K = 16
+WAVES = 2  # split until about this many programs per SM are in flight
+_MIN_BLOCK_K = 16  # the smallest tl.dot K
+
+
+def family_of(device) -> str:
+    """Tile-table family for ``device``: the interpreter's on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "interpreter"
+    family = device_info(device).family
+    return family if family in TILES else "default"
+
+
+@functools.lru_cache(maxsize=None)
+def _live_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1  # the interpreter: programs run one by one, splitting never helps
+    return _live_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def stage_bytes(cfg: dict, a_bytes: float, b_bytes: float) -> int:
+    """Shared memory one pipeline stage takes: an A tile and a B tile."""
+    return int(cfg["BLOCK_K"] * (cfg["BLOCK_M"] * a_bytes + cfg["BLOCK_N"] * b_bytes))
+
+
+def buffered_stages(cfg: dict, family: str) -> int:
+    """Stages held in shared memory: all of them on NVIDIA; AMD's stream pipeliner stages
+    one tile through registers, so it keeps num_stages - 1 (at least one) in LDS."""
+    stages = cfg["num_stages"]
+    return max(1, stages - 1) if family.startswith("cdna") else stages
+
+
+def fit_shared(cfg: dict, family: str, a_bytes: float, b_bytes: float) -> dict:
+    """Fewer stages (down to 2), then a shorter K step, until the staged tiles fit the
+    family's shared-memory limit (with 8 KiB left for the epilogue's layout conversion)."""
+    if family == "interpreter":
+        return cfg
+    limit = SHARED_LIMIT.get(family, SHARED_LIMIT["default"]) - 8192
+    cfg = dict(cfg)
+    while buffered_stages(cfg, family) * stage_bytes(cfg, a_bytes, b_bytes) > limit:
+        if cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_K"] > _MIN_BLOCK_K:
+            cfg["BLOCK_K"] //= 2
+        else:
+            break
+    return cfg
+
+
+def base_config(family: str, m: int, a_bytes: float, b_bytes: float | None = None) -> dict:
+    """The table row for ``m`` rows on ``family``, with BLOCK_K resolved and fitted."""
+    for max_m, row in TILES[family]:
+        if max_m is None or m <= max_m:
+            break
+    cfg = dict(row)
+    k_bytes = cfg.pop("K_BYTES", None)
+    if k_bytes is not None:
+        cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
+    return fit_shared(cfg, family, a_bytes, a_bytes if b_bytes is None else b_bytes)
+
+
+def split_k(m: int, n: int, k: int, cfg: dict, sms: int, max_split: int = MAX_SPLIT_K) -> tuple[int, int]:
+    """``(splits, K per split)`` for an M x N x K problem with tiles ``cfg`` on ``sms`` SMs.
+
+    One split when the tile grid already fills ``WAVES`` waves; else as many splits as fill
+    them, each keeping at least MIN_K_STEPS_PER_SPLIT K steps. K per split is a multiple of
+    BLOCK_K, and no split is empty.
+    """
+    block_k = cfg["BLOCK_K"]
+    steps = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    splits = min(max_split, (WAVES * sms) // max(tiles, 1), steps // MIN_K_STEPS_PER_SPLIT)
+    if splits <= 1:
+        return 1, k
+    per_split = triton.cdiv(steps, splits)
+    return triton.cdiv(steps, per_split), per_split * block_k
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(family: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes: float, k_multiple_of: int,
+          allow_split: bool) -> dict:
+    cfg = base_config(family, m, a_bytes, b_bytes)
+    while k_multiple_of and k_multiple_of % cfg["BLOCK_K"] and cfg["BLOCK_K"] > _MIN_BLOCK_K:
+        cfg["BLOCK_K"] //= 2  # one K step must stay inside one quantisation group
+    cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = split_k(m, n, k, cfg, sms) if allow_split else (1, k)
+    return cfg
+
+
+def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | None = None, *,
+              k_multiple_of: int = 0, split: bool = True, family: str | None = None, sms: int | None = None) -> dict:
+    """Launch plan for an M x N x K GEMM on ``device``: tile constexprs, launch options,
+    ``SPLIT_K`` and ``K_PER_SPLIT``. ``k_multiple_of``: BLOCK_K must divide it (group size).
+    ``family``/``sms`` plan for hardware other than ``device`` (tests, AOT). Cached."""
+    family = family or family_of(device)
+    sms = sms if sms is not None else sm_count(device)
+    b = a_bytes if b_bytes is None else b_bytes
+    return dict(_plan(family, sms, m, n, k, a_bytes, b, k_multiple_of, split))
+
+
+def launch_options(cfg: dict) -> dict:
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def tile_constexprs(cfg: dict) -> dict:
+    return {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+
+
+def splitk_workspace(plan: dict, m: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """fp32 partial tiles of every split, ``[SPLIT_K, M, N]`` (from torch's caching allocator:
+    no host sync, CUDA-graph safe)."""
+    return torch.empty((plan["SPLIT_K"], m, n), dtype=torch.float32, device=like.device)
+
+
+# --------------------------------------------------------------------------- device code
 
 
 @triton.jit
@@ -27,7 +210,7 @@ def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
 def activate(y, ACTIVATION: tl.constexpr):
     """Epilogue activation on fp32 values (names as in graft.ops.gemm.ACTIVATIONS)."""
     if ACTIVATION == "relu":
-        y = tl.maximum(y, 0.0)
+        y = tl.where(y < 0.0, 0.0, y)  # keeps NaN as torch.relu does (maximum(NaN, 0) may give 0)
     elif ACTIVATION == "gelu":
         # tanh approximation; tanh(u) = 2 * sigmoid(2u) - 1 keeps to ops every backend has.
         inner = 0.7978845608028654 * (y + 0.044715 * y * y * y)
@@ -39,11 +222,61 @@ def activate(y, ACTIVATION: tl.constexpr):
     return y
 
 
-def pick_tiles(tables: dict, m: int, device) -> dict:
-    """Tile config for an ``m``-row problem: the ``"small_m"`` table for decode-like M."""
-    from graft.kernels.triton._autotune import tile_config
+@triton.jit
+def store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn,
+               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write a program's fp32 tile: finished (bias, activation, one rounding) when K is not
+    split; else raw into split ``program_id(1)``'s slab of the [SPLIT_K, M, N] workspace."""
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = activate(acc, ACTIVATION)
+        ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols.to(tl.int64)[None, :] * stride_yn
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        slab = tl.program_id(1).to(tl.int64) * M * N
+        ptrs = y_ptr + slab + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(ptrs, acc, mask=mask)
 
-    small = tables.get("small_m")
-    if small is not None and m <= small["default"]["BLOCK_M"]:
-        return tile_config(small, device)
-    return tile_config(tables["large_m"], device)
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, stride_yn,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """y[m, n-block] = act(sum over splits in order 0..SPLIT_K-1 + bias): deterministic."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    acc = activate(acc, ACTIVATION)
+    tl.store(y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK_N = 1024
+
+
+def splitk_reduce(ws: torch.Tensor, bias, y: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """Finish a split-K GEMM: ``y = act(ws.sum(0) + bias)`` in a fixed order."""
+    splits, m, n = ws.shape
+    block_n = min(REDUCE_BLOCK_N, triton.next_power_of_2(n))
+    _splitk_reduce_kernel[(m, triton.cdiv(n, block_n))](
+        ws, bias if bias is not None else ws, y, m, n, y.stride(0), y.stride(1),
+        SPLIT_K=splits, HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_N=block_n,
+        num_warps=4 if block_n >= 512 else 1,
+    )  # fmt: skip
+    return y
+
+
+def reduce_aot_variants():
+    """AOT variants of the split-K reduce (declared by gemm_dense, the first user)."""
+    from graft.kernels.triton._aot import variant
+
+    for pointer, split, act in (("*bf16", 4, "silu"), ("*fp16", 16, "none"), ("*fp32", 2, "gelu")):
+        yield variant(_splitk_reduce_kernel, dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=act, BLOCK_N=REDUCE_BLOCK_N),
+                      pointer=pointer, ws_ptr="*fp32", options={"num_warps": 4})

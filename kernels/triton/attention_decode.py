@@ -47,7 +47,7 @@ TILES = {
 # never give a split fewer than MIN_SPLIT_TOKENS tokens, and cap the partial buffers.
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # also the cap on a caller's num_splits (the combine holds all splits in one tile)
 
 
 @triton.jit
@@ -61,7 +61,10 @@ def _decode_kernel(
     qk_scale,  # softmax_scale * log2(e)
     head_dim,
     block_size,
+    num_blocks,  # physical blocks in the caches: table entries outside [0, num_blocks) are skipped
+    max_blocks,  # block-table columns: seq_len is clamped to max_blocks * block_size
     num_splits,
+    min_split,  # fewest tokens per split (1 when the caller forced num_splits)
     GROUP: tl.constexpr,  # query heads per kv head
     SINGLE_PASS: tl.constexpr,  # num_splits == 1: write the normalised output directly
     BLOCK_G: tl.constexpr,
@@ -73,8 +76,13 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Bounds-safe on any values (checks off, CUDA graphs, torch.compile): the length is
+    # clamped to the table's capacity, so no table read passes the row.
+    seq_len = tl.minimum(tl.maximum(tl.load(SeqLens + seq), 0), max_blocks * block_size)
+    # Splits follow this sequence's real length: at most one per min_split tokens, so a
+    # short context in a long-capacity table runs in few splits (the rest exit at once).
+    used_splits = tl.maximum(tl.minimum(tl.cdiv(seq_len, min_split), num_splits), 1)
+    chunk = tl.cdiv(tl.cdiv(seq_len, used_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -100,6 +108,11 @@ def _decode_kernel(
         tokens = tile_start + offs_n
         tok_ok = tokens < end
         block = tl.load(table + (tokens // block_size) * stride_btb, mask=tok_ok, other=0).to(tl.int64)
+        # A table entry outside [0, num_blocks) (garbage, -1 padding) is never dereferenced:
+        # its tokens are masked out of the softmax, as in the reference.
+        block_ok = (block >= 0) & (block < num_blocks)
+        tok_ok = tok_ok & block_ok
+        block = tl.where(block_ok, block, 0)
         slot = tokens % block_size
         k_t = tl.load(
             k_base + block[None, :] * stride_kb + slot[None, :] * stride_kt + offs_d[:, None] * stride_kd,
@@ -167,10 +180,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs to fill the device, each split >= MIN_SPLIT_TOKENS.
+    """Splits per sequence (the grid's third axis): enough programs to fill the device.
 
     ``max_context`` is the block-table capacity (max_blocks_per_seq * block_size), an upper
-    bound known without reading seq_lens back from the device.
+    bound known without reading seq_lens back from the device; each program then uses
+    only as many of the splits as its real length fills with MIN_SPLIT_TOKENS each.
     """
     programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), programs)
@@ -192,11 +206,16 @@ def _decode(
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    if num_splits <= 0:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, query.device)
+    cfg = tile_config(TILES, query.device)
+    capacity = block_tables.shape[1] * block_size
+    auto = num_splits <= 0
+    if auto:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, capacity, query.device)
+    # A forced count only partitions work: cap it (grid z <= 65535, one combine tile, and
+    # no more splits than BLOCK_N tiles in the table).
+    num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max(capacity, 1), cfg["BLOCK_N"])))
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
-    cfg = tile_config(TILES, query.device)
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -210,7 +229,10 @@ def _decode(
             softmax_scale * LOG2E,
             head_dim,
             block_size,
+            key_cache.shape[0],
+            block_tables.shape[1],
             num_splits,
+            MIN_SPLIT_TOKENS if auto else 1,
             GROUP=group,
             SINGLE_PASS=num_splits == 1,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -264,21 +286,28 @@ def register(registry) -> None:
     ))
 
 
+UNIT_STRIDES = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_btb=1)  # contiguous rows: JIT constants
+
+
 def _aot_variants():
     """Per target: single pass and split-K (with the combine kernel), fp16/bf16/fp32, GQA groups."""
     types = dict(BlockTables="*i32", SeqLens="*i32", PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32",
                  qk_scale="fp32")
     for target, cfg in per_target(TILES):
         blocks, options = split_tiles(cfg)
+        # Resources grow with BLOCK_D, BLOCK_G and the dtype: the widest of each are here.
         for dtype, single, group, block_d in (("fp16", True, 4, 128), ("bf16", False, 8, 128),
-                                              ("fp32", False, 1, 64), ("bf16", True, 16, 256)):
-            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, group), BLOCK_D=block_d, UPCAST=False,
-                         PRECISION="ieee", **blocks)
-            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,), **types)
+                                              ("fp32", False, 1, 64), ("bf16", True, 16, 256),
+                                              ("fp32", True, 64, 256), ("fp16", False, 32, 256)):
+            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                         BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
+            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
+                          values=UNIT_STRIDES, **types)
         for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
             flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
             yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},
-                          targets=(target,), PartAcc="*fp32", PartMax="*fp32", PartSum="*fp32")
+                          targets=(target,), values=dict(stride_od=1), PartAcc="*fp32", PartMax="*fp32",
+                          PartSum="*fp32")
 
 
 AOT_VARIANTS = list(_aot_variants())

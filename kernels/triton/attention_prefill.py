@@ -44,6 +44,12 @@ TILES = {
 
 
 @triton.jit
+def _i64(x):
+    """x as int64 (a runtime int or one the JIT specialised to the constant 1)."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd, d_ok,
@@ -87,13 +93,14 @@ def _attend_tile(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     qk_scale,  # softmax_scale * log2(e)
     head_dim,
+    stride_lh,  # Lse is [heads, total_q] fp32, log2 domain
     GROUP: tl.constexpr,  # query heads per kv head
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -101,7 +108,14 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr = False,  # training: keep the log-sum-exp for the backward
 ):
+    # 64-bit strides: every index * stride below is then computed in int64 (a row or head
+    # offset passes 2^31 elements on long packed batches, e.g. ~350k tokens of a fused-QKV view).
+    stride_qt, stride_qh, stride_qd = _i64(stride_qt), _i64(stride_qh), _i64(stride_qd)
+    stride_kt, stride_kh, stride_kd = _i64(stride_kt), _i64(stride_kh), _i64(stride_kd)
+    stride_vt, stride_vh, stride_vd = _i64(stride_vt), _i64(stride_vh), _i64(stride_vd)
+    stride_ot, stride_oh, stride_od = _i64(stride_ot), _i64(stride_oh), _i64(stride_od)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -155,6 +169,10 @@ def _prefill_kernel(
     out = acc / l_safe[:, None]
     o_ptrs = Out + (q_start + rows)[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if STORE_LSE:
+        # +inf for a row that sees no key: the backward's exp2(-inf - lse) is then 0, not NaN.
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("inf"))
+        tl.store(Lse + head * stride_lh + q_start + rows, lse, mask=row_ok)
 
 
 def _tiles(device: torch.device, block_d: int, dtype: torch.dtype) -> dict:
@@ -184,22 +202,31 @@ def _prefill(
     causal: bool,
     softmax_scale: float,
 ) -> torch.Tensor:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, None)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, lse):
+    """Launch the forward; ``lse`` ([heads, total_q] fp32) is filled when given."""
     total_q, num_heads, head_dim = q.shape
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        if lse is not None:
+            lse.fill_(float("inf"))
         return out.zero_()
     block_d = head_dim_block(head_dim)
     cfg = _tiles(q.device, block_d, q.dtype)
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)
     with on_device(q):
         _prefill_kernel[grid](
-            q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+            q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             softmax_scale * LOG2E,
             head_dim,
+            total_q,
             GROUP=num_heads // k.shape[1],
             CAUSAL=causal,
+            STORE_LSE=lse is not None,
             BLOCK_D=block_d,
             **dot_flags(q.dtype, q.device),
             **cfg,
@@ -225,9 +252,17 @@ prefill_op = define_op("attention_prefill_triton", _prefill, fake=_prefill_fake)
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
-    """The op's signature on top of the custom op (which needs a concrete float scale)."""
+    """The op's signature on top of the custom op (which needs a concrete float scale).
+
+    When a gradient is needed the forward that also returns the log-sum-exp runs (the
+    backward needs it); inference keeps the forward that writes only the output."""
+    from graft.kernels.triton.attention_prefill_backward import prefill_lse_op
+
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    return prefill_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return prefill_lse_op(*args)[0]
+    return prefill_op(*args)
 
 
 def check(q, k, v, cu_seqlens_q, *args, **kwargs):
@@ -247,14 +282,18 @@ def register(registry) -> None:
 
 def _aot_variants():
     """Per target: fp16/bf16/fp32, causal or not, head dims 128/64/256, GQA group 4."""
-    ints = dict(CuSeqlensQ="*i32", CuSeqlensK="*i32", qk_scale="fp32")
+    ints = dict(CuSeqlensQ="*i32", CuSeqlensK="*i32", qk_scale="fp32", Lse="*fp32")
     for target, base in per_target(TILES):
         for name, dtype, causal, block_d in (("fp16", torch.float16, True, 128), ("bf16", torch.bfloat16, False, 128),
-                                             ("fp32", torch.float32, True, 64), ("bf16", torch.bfloat16, True, 256)):
+                                             ("fp32", torch.float32, True, 64), ("bf16", torch.bfloat16, True, 256),
+                                             ("fp32", torch.float32, False, 256), ("fp16", torch.float16, False, 64)):
             blocks, options = split_tiles(_fit_gpu_tiles(base, block_d, dtype))
             flags = dict(GROUP=4, CAUSAL=causal, BLOCK_D=block_d, UPCAST=False,
-                         PRECISION="ieee", **blocks)
-            yield variant(_prefill_kernel, flags, pointer=f"*{name}", options=options, targets=(target,), **ints)
+                         PRECISION="ieee", STORE_LSE=causal, **blocks)
+            yield variant(_prefill_kernel, flags, pointer=f"*{name}", options=options, targets=(target,),
+                          values=dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1), **ints)
 
 
 AOT_VARIANTS = list(_aot_variants())
+
+from graft.kernels.triton import attention_prefill_backward  # noqa: E402,F401  registers the backward

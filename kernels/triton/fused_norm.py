@@ -7,11 +7,13 @@ exactly like the reference.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from graft.custom_ops import define_op
+from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
@@ -140,3 +142,155 @@ def _aot_variants():
 
 
 AOT_VARIANTS = list(_aot_variants())
+
+
+# ---------------------------------------------------------------------------- backward
+#
+# dv = rstd * (g - v * rstd^2 * mean(g * v)) with g = dy * w and v = x (+ residual) in fp32,
+# plus the residual output's gradient; dx = dresidual = dv. dweight = sum over rows of
+# dy * v * rstd: each program accumulates its rows' share in fp32 into its own row of a
+# [programs, H] buffer (no atomics), summed afterwards. rstd is recomputed from x (and the
+# residual): a row is read anyway, and nothing but the inputs needs saving.
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, res_ptr, dres_ptr, w_ptr, dx_ptr, dw_ptr,
+    rows, H, rows_per_prog, dy_stride, x_stride, res_stride, dres_stride, eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_DRES: tl.constexpr, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * rows_per_prog  # int64 row offsets: the loop variable inherits the type
+    last = tl.minimum(first + rows_per_prog, rows)
+    dw_row = dw_ptr + pid.to(tl.int64) * H
+    if ONE_TILE:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in range(first, last):
+            row = r
+            v = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                v += tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * dy_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+            g = dy * w
+            dv = rstd * g - v * (rstd * rstd * rstd * tl.sum(g * v, axis=0) / H)
+            if HAS_DRES:
+                dv += tl.load(dres_ptr + row * dres_stride + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * H + offs, dv.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw_acc += dy * v * rstd
+        tl.store(dw_row + offs, dw_acc, mask=mask)
+    else:
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(dw_row + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < H)
+        for r in range(first, last):
+            row = r
+            sq = tl.zeros([BLOCK], dtype=tl.float32)
+            gv = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, H, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < H
+                v = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    v += tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * dy_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                sq += v * v
+                gv += dy * w * v
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / H + eps)
+            coef = rstd * rstd * rstd * tl.sum(gv, axis=0) / H
+            for start in range(0, H, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < H
+                v = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    v += tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * dy_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                dv = rstd * dy * w - v * coef
+                if HAS_DRES:
+                    dv += tl.load(dres_ptr + row * dres_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + row * H + offs, dv.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw = tl.load(dw_row + offs, mask=mask, other=0.0)
+                tl.store(dw_row + offs, dw + dy * v * rstd, mask=mask)
+
+
+def row_programs(rows: int, device: torch.device) -> int:
+    """Programs for a row-blocked backward: about two per SM on a GPU (each keeps a dweight
+    partial), a handful in the interpreter (it pays per program)."""
+    if device.type == "cuda":
+        return max(1, min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                  dres: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.numel() // hidden if hidden else 0
+    if rows == 0 or hidden == 0:
+        return dx.zero_(), torch.zeros_like(weight)
+    x2, dy2 = _rows(x), _rows(dy)
+    r2 = _rows(residual) if residual is not None else x2
+    d2 = _rows(dres) if dres is not None else dy2
+    cfg = tile_config(TILES, x.device)
+    block = min(triton.next_power_of_2(hidden), cfg["max_block"])
+    progs = row_programs(rows, x.device)
+    per = triton.cdiv(rows, progs)
+    progs = triton.cdiv(rows, per)
+    dw_part = torch.empty((progs, hidden), dtype=torch.float32, device=x.device)
+    with on_device(x):
+        _rms_norm_bwd_kernel[(progs,)](
+            dy2, x2, r2, d2, weight.contiguous(), dx, dw_part,
+            rows, hidden, per, dy2.stride(0), x2.stride(0), r2.stride(0), d2.stride(0), float(eps),
+            HAS_RESIDUAL=residual is not None, HAS_DRES=dres is not None, BLOCK=block, ONE_TILE=block >= hidden,
+            num_warps=cfg["num_warps"],
+        )
+    return dx, dw_part.sum(0).to(weight.dtype)
+
+
+def _rms_norm_bwd_fake(dy: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                       dres: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+rms_norm_bwd_op = define_op("fused_rms_norm_backward_triton", _rms_norm_bwd, fake=_rms_norm_bwd_fake)
+
+
+def _setup_plain(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _backward_plain(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = rms_norm_bwd_op(dy, x, None, None, weight, ctx.eps)
+    return dx, dw, None
+
+
+def _setup_residual(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    ctx.save_for_backward(x, residual, weight)
+    ctx.eps = eps
+
+
+def _backward_residual(ctx, dy, dres):
+    x, residual, weight = ctx.saved_tensors
+    if dy is None:  # only residual_out is used downstream
+        dy = torch.zeros_like(x)
+    dx, dw = rms_norm_bwd_op(dy, x, residual, dres, weight, ctx.eps)
+    return dx, dx, dw, None
+
+
+register_backward(rms_norm_op, _backward_plain, _setup_plain)
+register_backward(add_rms_norm_op, _backward_residual, _setup_residual)
+
+AOT_VARIANTS += [
+    variant(_rms_norm_bwd_kernel, dict(HAS_RESIDUAL=residual, HAS_DRES=residual, BLOCK=block, ONE_TILE=one_tile),
+            pointer=f"*{dtype}", options={"num_warps": 8}, eps="fp32", dw_ptr="*fp32")
+    for dtype, residual, block, one_tile in (("bf16", True, 4096, True), ("fp32", False, 8192, False))
+]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graft.custom_ops import define_op
+from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
@@ -19,16 +19,22 @@ from graft.kernels.triton._common import on_device, triton_implementation
 @triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-    num_q_heads, num_k_heads, q_stride, k_stride, cache_stride, head_size, half,
-    IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    num_q_heads, num_k_heads, q_stride, k_stride, cache_stride, head_size, half, max_position,
+    IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     m = i < half
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * cache_stride + half + i, mask=m, other=0.0).to(tl.float32)
+    # A position outside [0, max_position) reads no cache row: cos 1, sin 0 leave the
+    # token unrotated (the reference's definition), whatever the value checks are set to.
+    pos = tl.full([BLOCK_HALF], 0, tl.int64) + tl.load(pos_ptr + t).to(tl.int64)
+    pos_ok = (pos >= 0) & (pos < max_position)
+    row = cache_ptr + tl.where(pos_ok, pos, 0) * cache_stride
+    cos = tl.load(row + i, mask=m & pos_ok, other=1.0).to(tl.float32)
+    sin = tl.load(row + half + i, mask=m & pos_ok, other=0.0).to(tl.float32)
+    if BACKWARD:  # a rotation's transpose is the rotation by -theta
+        sin = -sin
     if h < num_q_heads:
         src = q_ptr + t * q_stride + h * head_size
         dst = q_out_ptr + (t * num_q_heads + h) * head_size
@@ -63,6 +69,10 @@ def _rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_size: int,
     cos_sin_cache: torch.Tensor, is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(positions, q, k, head_size, cos_sin_cache, is_neox, False)
+
+
+def _rotate(positions, q, k, head_size, cos_sin_cache, is_neox, backward):
     tokens = positions.numel()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -76,8 +86,8 @@ def _rotary(
     with on_device(q):
         _rotary_kernel[(tokens, num_q_heads + num_k_heads)](
             positions.reshape(-1), q2, k2, cache, q_out, k_out,
-            num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half,
-            IS_NEOX=is_neox,
+            num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half, cache.shape[0],
+            IS_NEOX=is_neox, BACKWARD=backward,
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_PASS=triton.next_power_of_2(rest) if rest > 0 else 0,
             num_warps=1 if head_size <= 128 else 2,
@@ -118,3 +128,36 @@ AOT_VARIANTS = [
     for dtype, cache, neox, half, rest in (("bf16", "*fp32", True, 64, 0), ("fp16", "*fp16", False, 32, 64),
                                            ("fp32", "*fp32", True, 128, 0))
 ]
+
+
+# ---------------------------------------------------------------------------- backward
+# The rotation is linear and orthogonal: dq = R(-theta) dq_out (the same kernel with sin
+# negated); the pass-through tail copies its gradient. cos_sin_cache and positions get none.
+
+
+def _rotary_bwd(
+    positions: torch.Tensor, dq_out: torch.Tensor, dk_out: torch.Tensor, head_size: int,
+    cos_sin_cache: torch.Tensor, is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(positions, dq_out, dk_out, head_size, cos_sin_cache, is_neox, True)
+
+
+rotary_bwd_op = define_op("fused_rotary_embedding_backward_triton", _rotary_bwd, fake=_rotary_fake)
+
+
+def _setup(ctx, inputs, output):
+    positions, q, k, head_size, cache, is_neox = inputs
+    ctx.save_for_backward(positions, cache)
+    ctx.head_size, ctx.is_neox = head_size, is_neox
+
+
+def _backward(ctx, dq_out, dk_out):
+    positions, cache = ctx.saved_tensors
+    dq, dk = rotary_bwd_op(positions, dq_out, dk_out, ctx.head_size, cache, ctx.is_neox)
+    return None, dq, dk, None, None, None
+
+
+register_backward(rotary_op, _backward, _setup)
+
+AOT_VARIANTS.append(variant(_rotary_kernel, dict(IS_NEOX=True, BLOCK_HALF=64, BLOCK_PASS=0, BACKWARD=True),
+                            pointer="*bf16", options={"num_warps": 1}, pos_ptr="*i64", cache_ptr="*fp32"))

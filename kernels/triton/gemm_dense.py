@@ -1,8 +1,12 @@
-"""Triton dense linear (``gemm.linear``): ``act(x @ weight.T + bias)`` in one kernel.
+"""Triton dense GEMM (``gemm.linear``): ``act(x @ weight.T + bias)``, and the reusable
+launcher :func:`matmul` (``act(a @ b + bias)`` for any strides) that backward passes use.
 
-Each program computes a BLOCK_M x BLOCK_N tile of y with fp32 accumulation over K,
-reading ``weight [N, K]`` in place as the transposed operand (no copy), then applies
-bias and activation on the fp32 accumulator before the single rounding to x's dtype.
+Each program computes a BLOCK_M x BLOCK_N tile of y with fp32 accumulation over its K
+range, reading ``weight [N, K]`` in place as the transposed operand (no copy). Tiles,
+pipeline depth and split-K come from :func:`graft.kernels.triton._gemm_common.gemm_plan`
+per M range and architecture (see there for why). Unsplit, the epilogue applies bias and
+activation to the fp32 accumulator before the single rounding; split, the splits' fp32
+partials are summed in a fixed order by the reduce kernel, which then does the same.
 Ragged M, N and K edges are masked (out-of-range loads read 0).
 """
 from __future__ import annotations
@@ -15,90 +19,112 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._aot import FAMILY, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
+from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
-    activate,
-    pick_tiles,
+    SM_COUNT,
+    gemm_plan,
+    launch_options,
+    reduce_aot_variants,
+    splitk_reduce,
+    splitk_workspace,
+    store_tile,
+    tile_constexprs,
     tile_coords,
 )
-from graft.kernels.triton._dot import dot_acc, dot_flags
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-
-TILES = {
-    "large_m": {
-        "hopper": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-        "cdna3": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-        "default": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-        # The interpreter runs programs one by one in numpy: few, mid-sized tiles are fastest.
-        "interpreter": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 1, "num_stages": 1},
-    },
-    # Decode-like M (<= 16 rows): thin row tiles, wide K steps; the weight read dominates.
-    "small_m": {
-        "hopper": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "cdna3": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "default": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
-        "interpreter": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
-    },
-}
 
 
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot flags: see graft.kernels.triton._dot
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T)."""
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_start = tl.program_id(1) * K_PER_SPLIT
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    # int64 offsets: M * stride can pass 2^31 for large activations.
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w.T
+    # int64 offsets: M * stride (and K * stride for a transposed operand) can pass 2^31.
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks).to(tl.int64)[:, None] * stride_wk
+    step_x = tl.cast(stride_xk, tl.int64) * BLOCK_K
+    step_w = tl.cast(stride_wk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + kk
         k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = dot_acc(a, b, acc, UPCAST, PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    acc = activate(acc, ACTIVATION)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        x_ptrs += step_x
+        w_ptrs += step_w
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, SPLIT_K)
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, **what_if) -> dict:
+    """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count."""
+    size = dtype.itemsize
+    cfg = gemm_plan(m, n, k, device, size, **what_if)
+    if split_k is not None and split_k != cfg["SPLIT_K"]:
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
+        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
+    return cfg
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "none",
+           out: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
+    """``act(a @ b + bias)`` for 2-D ``a [M, K]``, ``b [K, N]`` of one float dtype and any
+    strides (pass ``w.t()`` for a weight [N, K], ``dy.t()`` for dW: no copies), fp32
+    accumulation, into ``out`` (any strides, a's dtype or fp32) or a new [M, N] tensor.
+
+    A plain launcher, not a custom op: call it inside a torch.library op (gemm.linear's,
+    or a backward's). ``split_k`` forces the split count (default: :func:`plan`'s choice).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    y = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:  # an empty sum: the epilogue of zeros
+        from graft.ops.gemm import apply_activation
+
+        zero = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+        return y.copy_(apply_activation(zero + (bias.float() if bias is not None else 0), activation))
+    cfg = plan(m, n, k, a.dtype, a.device, split_k)
+    splits = cfg["SPLIT_K"]
+    target = splitk_workspace(cfg, m, n, a) if splits > 1 else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
+    with on_device(a):
+        _linear_kernel[grid](
+            a, b, bias if bias is not None else y, target,
+            m, n, k, cfg["K_PER_SPLIT"],
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
+            HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=splits,
+            **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
+        )  # fmt: skip
+        if splits > 1:
+            splitk_reduce(target, bias, y, activation)
+    return y
 
 
 def _linear_2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    cfg = pick_tiles(TILES, m, x.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    with on_device(x):
-        _linear_kernel[grid](
-            x, weight, bias if bias is not None else y, y,
-            m, n, k,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None,
-            ACTIVATION=activation,
-            **dot_flags(x.dtype, x.device),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-    return y
+    return matmul(x, weight.t(), bias, activation)
 
 
 def _linear_2d_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str) -> torch.Tensor:
@@ -118,22 +144,55 @@ def linear(x, weight, bias=None, activation="none"):
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
         "gemm.linear", linear, custom_op=linear_op, dtypes=_FLOAT_DTYPES,
-        description="Triton tiled GEMM, fp32 accumulation, bias + activation fused in the epilogue",
+        description="Triton tiled GEMM, fp32 accumulation, split-K at small M, bias + activation fused",
     ))
 
 
+# Model shapes the plans are checked on (Llama-3-8B and 70B/TP8 projections), per M bucket.
+AOT_SHAPES = ((4096, 4096), (28672, 4096), (8192, 1024))
+AOT_MS = (1, 16, 32, 64, 128, 4096)
+
+
+def aot_plans(target: str, dtype: torch.dtype):
+    """The distinct (tile constexprs, SPLIT_K > 1, options) the dispatcher launches on
+    ``target`` for ``dtype`` over AOT_SHAPES x AOT_MS."""
+    family = FAMILY[target]
+    seen = {}
+    for m in AOT_MS:
+        for n, k in AOT_SHAPES:
+            cfg = plan(m, n, k, dtype, "cuda", family=family, sms=SM_COUNT[family])
+            key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
+            seen.setdefault(key, cfg)
+    return list(seen.values())
+
+
 def _aot_variants():
-    """Both tile tables per target; bf16 with every activation, fp16/fp32 (TF32 and IEEE) with gelu."""
+    """Every plan per target and dtype (the first: bf16, the quick one); bf16 with every
+    activation on the prefill tile; fp32 with TF32 and IEEE."""
     from graft.ops.gemm import ACTIVATIONS
 
-    for table in ("large_m", "small_m"):
-        for target, cfg in per_target(TILES[table]):
-            blocks, options = split_tiles(cfg)
-            cases = [("bf16", act, "ieee") for act in ("gelu", *ACTIVATIONS)]
-            cases += [("fp16", "gelu", "ieee"), ("fp32", "gelu", "ieee"), ("fp32", "gelu", "tf32")]
-            for dtype, act, precision in dict.fromkeys(cases):
-                flags = dict(HAS_BIAS=True, ACTIVATION=act, UPCAST=False, PRECISION=precision, **blocks)
-                yield variant(_linear_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,))
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for target in TARGETS:
+        for dtype, name in names.items():
+            plans = aot_plans(target, dtype)
+            if dtype == torch.float16:
+                plans = plans[-1:]  # the same resources as bf16: one plan checks the dtype compiles
+            for i, cfg in enumerate(plans):
+                last = i == len(plans) - 1
+                acts = ACTIVATIONS if (dtype == torch.bfloat16 and last) else ("gelu",)
+                # TF32 stages fp32 tiles in shared memory (the worst case); IEEE once per target.
+                if dtype != torch.float32:
+                    precisions = ("ieee",)
+                else:
+                    precisions = ("tf32", "ieee") if last else ("tf32",)
+                for act in acts:
+                    for precision in precisions:
+                        split = 2 if cfg["SPLIT_K"] > 1 else 1  # SPLIT_K only switches the store path
+                        flags = dict(HAS_BIAS=True, ACTIVATION=act, SPLIT_K=split, UPCAST=False, PRECISION=precision,
+                                     **tile_constexprs(cfg))
+                        yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
+                                      targets=(target,))
+    yield from reduce_aot_variants()
 
 
 AOT_VARIANTS = list(_aot_variants())

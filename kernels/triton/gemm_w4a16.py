@@ -1,11 +1,16 @@
 """Triton W4A16 GEMM (``gemm.w4a16``): GPTQ or AWQ 4-bit weights dequantized in the kernel.
 
-Each K step loads the int32 words holding a BLOCK_K x BLOCK_N tile of 4-bit codes, pulls
-the nibbles out (layouts in :mod:`graft.quant`), subtracts the group's zero points and
-feeds ``q - zero`` (small integers, exact in fp16/bf16) to tl.dot; the group's scale is
-applied to the dot's fp32 result. BLOCK_K is chosen to divide group_size, so one K step
-never straddles two groups and the scale is one row vector per step. That needs
-group_size to be a multiple of 16 (the smallest tl.dot K); other group sizes fall back.
+Each K step loads every int32 word of a BLOCK_K x BLOCK_N tile of 4-bit codes exactly once
+(``[BLOCK_K/8, BLOCK_N]`` words for GPTQ, packed along K; ``[BLOCK_K, BLOCK_N/8]`` for AWQ,
+packed along N), pulls the 8 nibbles out with one broadcast shift in registers and reshapes
+to the ``[BLOCK_K, BLOCK_N]`` code tile (layouts in :mod:`graft.quant`). The group's zero
+points and scales are folded into that tile, ``w = (q - zero) * scale`` in the activation
+dtype, before the MMA, so the MMA accumulates the finished product in fp32 (no per-step
+rescaling of the accumulator). BLOCK_K divides group_size, so one K step never straddles
+two groups and scale/zero are one row vector per step; that needs group_size to be a
+multiple of 16 (the smallest tl.dot K): other group sizes fall back. Tiles and split-K come
+from the shared GEMM plan (graft.kernels.triton._gemm_common): at decode sizes the
+(M, N) grid is far below the SM count, and K splits fill the GPU, reduced in fixed order.
 """
 from __future__ import annotations
 
@@ -17,26 +22,19 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._aot import FAMILY, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton._dot import dot_f32, dot_flags
-from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
-
-TILES = {
-    "large_m": {
-        "hopper": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-        "cdna3": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-        "default": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-        "interpreter": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 1, "num_stages": 1},
-    },
-    # Decode: memory bound on the packed weight; wide K steps keep many loads in flight.
-    "small_m": {
-        "hopper": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "cdna3": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "default": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
-        "interpreter": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
-    },
-}
+from graft.kernels.triton._dot import dot_acc, dot_flags
+from graft.kernels.triton._gemm_common import (
+    SM_COUNT,
+    gemm_plan,
+    launch_options,
+    splitk_reduce,
+    splitk_workspace,
+    store_tile,
+    tile_constexprs,
+    tile_coords,
+)
 
 _MIN_DOT_K = 16
 
@@ -44,66 +42,91 @@ _MIN_DOT_K = 16
 @triton.jit
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, y_ptr,
-    M, N, K, GROUP_SIZE,
+    M, N, K, GROUP_SIZE, K_PER_SPLIT,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_ym, stride_yn,
     AWQ: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot flags: see graft.kernels.triton._dot
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_start = tl.program_id(1) * K_PER_SPLIT
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    # Column j of a pack of 8 sits in nibble j (GPTQ qzeros) or (j // 2) + 4 * (j % 2) (AWQ).
+    nibble = tl.arange(0, 8)
+    # AWQ puts column j of a pack of 8 in nibble (j // 2) + 4 * (j % 2); GPTQ in nibble j.
+    awq_shift = ((nibble // 2) + 4 * (nibble % 2)) * 4
     lane = cols % 8
     if AWQ:
-        col_shift = ((lane // 2) + 4 * (lane % 2)) * 4
+        zero_shift = ((lane // 2) + 4 * (lane % 2)) * 4
     else:
-        col_shift = lane * 4
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk
+        zero_shift = lane * 4
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
+    if AWQ:  # qweight [K, N/8]: BLOCK_K rows of BLOCK_N/8 words
+        wcols = tile_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        wcol_ok = wcols < tl.cdiv(N, 8)
+        q_ptrs = qw_ptr + (k_start + ks).to(tl.int64)[:, None] * stride_qk + wcols[None, :] * stride_qn
+        q_step = tl.cast(stride_qk, tl.int64) * BLOCK_K
+    else:  # GPTQ qweight [K/8, N]: BLOCK_K/8 rows of BLOCK_N words
+        wks = tl.arange(0, BLOCK_K // 8)
+        q_ptrs = qw_ptr + (k_start // 8 + wks).to(tl.int64)[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn
+        q_step = tl.cast(stride_qk, tl.int64) * (BLOCK_K // 8)
+    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < K
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = k_start + kk
+        k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        if AWQ:  # qweight [K, N/8], packed along N
-            packed = tl.load(qw_ptr + kk[:, None] * stride_qk + (cols // 8)[None, :] * stride_qn, mask=w_mask, other=0)
-            q = (packed >> col_shift[None, :]) & 0xF
-        else:  # GPTQ qweight [K/8, N], packed along K
-            packed = tl.load(qw_ptr + (kk // 8)[:, None] * stride_qk + cols[None, :] * stride_qn, mask=w_mask, other=0)
-            q = (packed >> ((kk % 8) * 4)[:, None]) & 0xF
+        if UPCAST:  # interpreted bf16: build the dequantized tile in fp32 too, never in bf16
+            a = a.to(tl.float32)
+        # Each word is loaded once; its 8 codes come out by one broadcast shift.
+        if AWQ:
+            words = tl.load(q_ptrs, mask=k_ok[:, None] & wcol_ok[None, :], other=0)
+            q = tl.reshape((words[:, :, None] >> awq_shift[None, None, :]) & 0xF, (BLOCK_K, BLOCK_N))
+        else:
+            words = tl.load(q_ptrs, mask=(wks < (K - k0) // 8)[:, None] & col_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole step is one group
-        scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=col_ok, other=0.0).to(tl.float32)
+        # A step past K (last split) reads no scale: its tile is exactly 0. (k0 broadcast to a
+        # vector first: the interpreter rejects a scalar-vector mask.)
+        live = col_ok & ((cols * 0 + k0) < K)
+        scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=live, other=0.0)
         if HAS_ZEROS:
-            zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=col_ok, other=0)
-            zero = (zp >> col_shift) & 0xF
+            zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=live, other=0)
+            zero = (zp >> zero_shift) & 0xF
             if not AWQ:
                 zero += 1  # GPTQ (AutoGPTQ v1) stores zero - 1
         else:
             zero = tl.full((BLOCK_N,), 8, dtype=tl.int32)
-        if UPCAST:  # widen x first so the dequantized tile is built in fp32 too, never in interpreted bf16
-            a = a.to(tl.float32)
-        w = (q - zero[None, :]).to(a.dtype)  # small integers: exact in every float dtype
-        acc += dot_f32(a, w, UPCAST, PRECISION) * scale[None, :]
-        x_ptrs += BLOCK_K * stride_xk
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        # Scales and zeros folded into the tile: the MMA sees the dequantized weight.
+        w = (q - zero[None, :]).to(a.dtype) * scale.to(a.dtype)[None, :]
+        acc = dot_acc(a, w, acc, UPCAST, PRECISION)
+        x_ptrs += x_step
+        q_ptrs += q_step
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K)
 
 
-def _block_k(configured: int, group_size: int) -> int:
-    """Largest power of two <= configured that divides group_size (per channel: any)."""
-    bk = configured
-    while group_size != -1 and group_size % bk:
-        bk //= 2
-    return bk
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device, group_size: int, split_k: Optional[int] = None,
+         **what_if) -> dict:
+    """The shared GEMM plan with BLOCK_K dividing the group (per channel: any; K is then one
+    group, so a split must not start mid-pack either: BLOCK_K stays a multiple of 16).
+    B stages as packed words (0.5 B per code) plus the dequantized tile the MMA reads."""
+    size = dtype.itemsize
+    cfg = gemm_plan(m, n, k, device, size, size + 0.5, k_multiple_of=0 if group_size == -1 else group_size,
+                    **what_if)
+    if split_k is not None:
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
+        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split), per_split * cfg["BLOCK_K"]
+    return cfg
 
 
 def _w4a16_2d(
@@ -121,23 +144,25 @@ def _w4a16_2d(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = pick_tiles(TILES, m, x.device)
-    bk = _block_k(cfg["BLOCK_K"], group_size)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg = plan(m, n, k, x.dtype, x.device, group_size)
+    splits = cfg["SPLIT_K"]
+    target = splitk_workspace(cfg, m, n, x) if splits > 1 else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
     zeros = qzeros if qzeros is not None else qweight  # placeholder pointer, never read
     with on_device(x):
         _w4a16_kernel[grid](
-            x, qweight, scales, zeros, bias if bias is not None else y, y,
-            m, n, k, k if group_size == -1 else group_size,
+            x, qweight, scales, zeros, bias if bias is not None else y, target,
+            m, n, k, k if group_size == -1 else group_size, cfg["K_PER_SPLIT"],
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
             scales.stride(0), scales.stride(1), zeros.stride(0), zeros.stride(1), y.stride(0), y.stride(1),
             AWQ=awq,
             HAS_ZEROS=qzeros is not None,
             HAS_BIAS=bias is not None,
-            **dot_flags(x.dtype, x.device),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            SPLIT_K=splits,
+            **dot_flags(x.dtype, x.device), **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
+        if splits > 1:
+            splitk_reduce(target, bias, y)
     return y
 
 
@@ -178,15 +203,24 @@ def register(registry) -> None:
 
 
 def _aot_variants():
-    """Both tile tables per target; GPTQ and AWQ, with and without zeros, for each activation dtype."""
+    """Every M bucket's plan per target (N=K=4096, group 128; the split and unsplit store),
+    GPTQ and AWQ, with and without zeros, for each activation dtype."""
     packed = dict(qw_ptr="*i32", qz_ptr="*i32")
-    for table in ("large_m", "small_m"):
-        for target, cfg in per_target(TILES[table]):
-            blocks, options = split_tiles(cfg)
-            for dtype, awq, zeros in (("fp16", True, True), ("fp16", False, True), ("bf16", False, False),
-                                      ("fp32", True, True)):
-                flags = dict(AWQ=awq, HAS_ZEROS=zeros, HAS_BIAS=True, UPCAST=False, PRECISION="ieee", **blocks)
-                yield variant(_w4a16_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,), **packed)
+    cases = (("fp16", True, True), ("fp16", False, True), ("bf16", False, False), ("fp32", True, True))
+    sizes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for target in TARGETS:
+        family = FAMILY[target]
+        for name, awq, zeros in cases:
+            plans = {}
+            for m in (1, 32, 64, 128, 4096):
+                cfg = plan(m, 4096, 4096, sizes[name], "cuda", 128, family=family, sms=SM_COUNT[family])
+                cfg["SPLIT_K"] = min(cfg["SPLIT_K"], 2)  # only switches the store path
+                plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)
+            for cfg in plans.values():
+                flags = dict(AWQ=awq, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
+                             PRECISION="ieee", **tile_constexprs(cfg))
+                yield variant(_w4a16_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
+                              targets=(target,), **packed)
 
 
 AOT_VARIANTS = list(_aot_variants())

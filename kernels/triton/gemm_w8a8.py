@@ -14,24 +14,11 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._aot import FAMILY, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton._gemm_common import pick_tiles, tile_coords
+from graft.kernels.triton._gemm_common import SM_COUNT, gemm_plan, launch_options, tile_constexprs, tile_coords
 
-TILES = {
-    "large_m": {
-        "hopper": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-        "cdna3": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-        "default": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-        "interpreter": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "num_warps": 1, "num_stages": 1},
-    },
-    "small_m": {
-        "hopper": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "cdna3": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "default": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
-        "interpreter": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 1, "num_stages": 1},
-    },
-}
+# Tiles: the shared GEMM table (graft.kernels.triton._gemm_common) at 1-byte operands.
 
 
 @triton.jit
@@ -85,7 +72,7 @@ def _w8a8(
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return y
-    cfg = pick_tiles(TILES, m, x_q.device)
+    cfg = gemm_plan(m, n, k, x_q.device, 1, split=False)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
     with on_device(x_q):
@@ -95,8 +82,7 @@ def _w8a8(
             x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
             _scale_stride(x_scale), _scale_stride(w_scale), y.stride(0), y.stride(1),
             HAS_BIAS=bias is not None,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
     return y
 
@@ -127,14 +113,18 @@ def register(registry) -> None:
 
 
 def _aot_variants():
-    """Both tile tables per target, fp16 and bf16 output."""
+    """Every M bucket's plan per target (Llama-3-8B N=K=4096), bf16 and fp16 output."""
     types = dict(x_ptr="*i8", w_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32")
-    for table in ("large_m", "small_m"):
-        for target, cfg in per_target(TILES[table]):
-            blocks, options = split_tiles(cfg)
+    for target in TARGETS:
+        family = FAMILY[target]
+        plans = {}
+        for m in (1, 32, 64, 128, 4096):
+            cfg = gemm_plan(m, 4096, 4096, "cuda", 1, split=False, family=family, sms=SM_COUNT[family])
+            plans.setdefault(tuple(cfg.items()), cfg)
+        for cfg in plans.values():
             for out in ("bf16", "fp16"):
-                yield variant(_w8a8_kernel, dict(HAS_BIAS=True, **blocks), pointer=f"*{out}", options=options,
-                              targets=(target,), **types)
+                yield variant(_w8a8_kernel, dict(HAS_BIAS=True, **tile_constexprs(cfg)), pointer=f"*{out}",
+                              options=launch_options(cfg), targets=(target,), **types)
 
 
 AOT_VARIANTS = list(_aot_variants())

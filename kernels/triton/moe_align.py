@@ -1,19 +1,26 @@
 """Triton kernels for ``moe.align_block_size``: group (token, slot) pairs by expert.
 
-Three launches, none of which reads a value back to the host (so the op is CUDA-graph
+Four launches, none of which reads a value back to the host (so the op is CUDA-graph
 safe and output sizes depend only on input shapes):
 
 1. ``_count_kernel`` (one program per chunk of BLOCK_N flattened slots): per-expert counts
    of the chunk, from a one-hot [BLOCK_N, experts] tile.
-2. ``_scan_kernel`` (one program): turns the chunk counts into each chunk's exclusive
-   per-expert offset (in place), pads every expert's total to a multiple of block_size,
-   writes each expert's start, the padded total and the expert of every block.
-3. ``_scatter_kernel`` (one program per chunk): slot i goes to
+2. ``_scan_kernel`` (one program per group of SCAN_E experts): turns the chunk counts into
+   each chunk's exclusive per-expert offset (in place) and each expert's total, SCAN_C
+   chunks per step (a cumulative sum down a [SCAN_C, SCAN_E] tile), so the serial part is
+   num_chunks / SCAN_C steps instead of num_chunks.
+3. ``_blocks_kernel`` (one program per BLOCK_B blocks): pads every expert's total to a
+   multiple of block_size and writes the expert of each of its blocks; program 0 also
+   writes each expert's start and the padded total.
+4. ``_scatter_kernel`` (one program per chunk): slot i goes to
    ``start[e] + chunk_offset[c, e] + rank of i among the chunk's slots of expert e``;
    the rank is a cumulative sum over the one-hot tile, so the order within an expert
    is the flattened index order (stable), exactly as the reference.
 
-sorted_token_ids is pre-filled with the sentinel T*k, so padding needs no writes.
+Expert ids outside [0, num_experts) (-1 marks an expert on another rank under expert
+parallelism) match no expert: they are neither counted nor stored, whatever the value
+checks are set to, as in the reference. sorted_token_ids is pre-filled with the sentinel
+T*k, so padding needs no writes.
 """
 from __future__ import annotations
 
@@ -30,68 +37,87 @@ from graft.ops.moe import aligned_sizes
 OP = "moe.align_block_size"
 
 # elems: one-hot tile size (slots x padded experts) per program; blocks: expert_ids
-# entries written per step of the scan program.
+# entries per program of the blocks kernel; scan: elements (chunks x experts) per scan step.
 TILES = {
-    "hopper": {"elems": 8192, "blocks": 256, "num_warps": 8},
-    "cdna3": {"elems": 8192, "blocks": 256, "num_warps": 8},
-    "default": {"elems": 8192, "blocks": 128, "num_warps": 4},
-    "interpreter": {"elems": 16384, "blocks": 256, "num_warps": 1},
+    "hopper": {"elems": 8192, "blocks": 256, "scan": 4096, "num_warps": 8},
+    "cdna3": {"elems": 8192, "blocks": 256, "scan": 4096, "num_warps": 8},
+    "default": {"elems": 8192, "blocks": 128, "scan": 4096, "num_warps": 4},
+    "interpreter": {"elems": 16384, "blocks": 256, "scan": 16384, "num_warps": 1},
 }
+SCAN_E_MAX = 64  # experts per scan program: more programs for wide routers
 
 
 @triton.jit
-def _chunk_one_hot(ids_ptr, chunk, num_slots, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+def _chunk_one_hot(ids_ptr, chunk, num_slots, num_experts, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs < num_slots
-    expert = tl.load(ids_ptr + offs, mask=ok, other=-1)  # -1 matches no expert
+    expert = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    # Only ids in [0, num_experts) take part: -1 (another rank's expert) and out-of-range
+    # values match no column, so nothing is counted or stored for them.
+    valid = ok & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(valid, expert, -1)
     one_hot = (expert[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
-    return offs, ok, expert, one_hot
+    return offs, valid, expert, one_hot
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_slots, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_slots, num_experts, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
-    _, _, _, one_hot = _chunk_one_hot(ids_ptr, chunk, num_slots, BLOCK_N, BLOCK_E)
+    _, _, _, one_hot = _chunk_one_hot(ids_ptr, chunk, num_slots, num_experts, BLOCK_N, BLOCK_E)
     tl.store(counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(one_hot, axis=0))
 
 
 @triton.jit
 def _scan_kernel(
-    counts_ptr, starts_ptr, expert_ids_ptr, post_pad_ptr,
-    num_chunks, num_experts, max_blocks, block_size,
+    counts_ptr, totals_ptr, num_chunks,
+    BLOCK_E: tl.constexpr, SCAN_E: tl.constexpr, SCAN_C: tl.constexpr,
+):
+    experts = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    rows = tl.arange(0, SCAN_C)
+    carry = tl.zeros([SCAN_E], dtype=tl.int32)
+    for first in range(0, num_chunks, SCAN_C):
+        chunks = first + rows
+        ptrs = counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :]
+        ok = (chunks < num_chunks)[:, None]
+        count = tl.load(ptrs, mask=ok, other=0)
+        inclusive = tl.cumsum(count, axis=0)
+        tl.store(ptrs, carry[None, :] + inclusive - count, mask=ok)  # now: the chunk's offset per expert
+        carry += tl.sum(count, axis=0)
+    tl.store(totals_ptr + experts, carry)
+
+
+@triton.jit
+def _blocks_kernel(
+    totals_ptr, starts_ptr, expert_ids_ptr, post_pad_ptr, num_experts, max_blocks, block_size,
     BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     experts = tl.arange(0, BLOCK_E)
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for chunk in range(num_chunks):
-        count = tl.load(counts_ptr + chunk * BLOCK_E + experts)
-        tl.store(counts_ptr + chunk * BLOCK_E + experts, total)  # now: this chunk's offset per expert
-        total += count
+    total = tl.load(totals_ptr + experts)
     padded = (total + block_size - 1) // block_size * block_size
     ends = tl.cumsum(padded, axis=0)
-    tl.store(starts_ptr + experts, ends - padded)
-    tl.store(post_pad_ptr, tl.sum(padded, axis=0))
+    if tl.program_id(0) == 0:
+        tl.store(starts_ptr + experts, ends - padded)
+        tl.store(post_pad_ptr, tl.sum(padded, axis=0))
     # Block b belongs to the first expert whose end (in blocks) is past b, i.e. to expert
     # #{e : end_e <= b}; empty experts share their neighbour's end and own no block.
     ends_in_blocks = ends // block_size
-    for first in range(0, max_blocks, BLOCK_B):
-        blocks = first + tl.arange(0, BLOCK_B)
-        owner = tl.sum((ends_in_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
+    blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    owner = tl.sum((ends_in_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+    owner = tl.where(owner < num_experts, owner, -1)
+    tl.store(expert_ids_ptr + blocks, owner, mask=blocks < max_blocks)
 
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, counts_ptr, starts_ptr, sorted_ptr, num_slots,
+    ids_ptr, counts_ptr, starts_ptr, sorted_ptr, num_slots, num_experts,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    offs, ok, expert, one_hot = _chunk_one_hot(ids_ptr, chunk, num_slots, BLOCK_N, BLOCK_E)
+    offs, valid, expert, one_hot = _chunk_one_hot(ids_ptr, chunk, num_slots, num_experts, BLOCK_N, BLOCK_E)
     rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1
-    expert = tl.where(ok, expert, 0)
+    expert = tl.where(valid, expert, 0)
     base = tl.load(starts_ptr + expert) + tl.load(counts_ptr + chunk * BLOCK_E + expert)
-    tl.store(sorted_ptr + base + rank, offs, mask=ok)
+    tl.store(sorted_ptr + base + rank, offs, mask=valid)
 
 
 def _block_n(num_experts: int, device) -> tuple[int, int, dict]:
@@ -99,6 +125,12 @@ def _block_n(num_experts: int, device) -> tuple[int, int, dict]:
     block_e = triton.next_power_of_2(max(num_experts, 2))
     block_n = max(16, triton.next_power_of_2(max(1, cfg["elems"] // block_e)))
     return block_n, block_e, cfg
+
+
+def scan_tiles(block_e: int, cfg: dict) -> tuple[int, int]:
+    """(SCAN_E, SCAN_C): experts per scan program and chunks per scan step."""
+    scan_e = min(block_e, SCAN_E_MAX)
+    return scan_e, max(1, cfg["scan"] // scan_e)
 
 
 def align_block_size_launch(topk_ids: torch.Tensor, block_size: int, num_experts: int):
@@ -115,17 +147,23 @@ def align_block_size_launch(topk_ids: torch.Tensor, block_size: int, num_experts
     block_n, block_e, cfg = _block_n(num_experts, device)
     num_chunks = triton.cdiv(num_slots, block_n)
     counts = torch.empty((max(num_chunks, 1), block_e), dtype=torch.int32, device=device)
+    totals = torch.empty((block_e,), dtype=torch.int32, device=device)
     starts = torch.empty((block_e,), dtype=torch.int32, device=device)
     warps = cfg["num_warps"]
     if num_chunks:
-        _count_kernel[(num_chunks,)](flat, counts, num_slots, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps)
-    _scan_kernel[(1,)](
-        counts, starts, expert_ids, post_pad, num_chunks, num_experts, max_blocks, block_size,
+        _count_kernel[(num_chunks,)](flat, counts, num_slots, num_experts, BLOCK_N=block_n, BLOCK_E=block_e,
+                                     num_warps=warps)
+    scan_e, scan_c = scan_tiles(block_e, cfg)
+    _scan_kernel[(block_e // scan_e,)](counts, totals, num_chunks, BLOCK_E=block_e, SCAN_E=scan_e, SCAN_C=scan_c,
+                                       num_warps=warps)
+    _blocks_kernel[(triton.cdiv(max_blocks, cfg["blocks"]),)](
+        totals, starts, expert_ids, post_pad, num_experts, max_blocks, block_size,
         BLOCK_E=block_e, BLOCK_B=cfg["blocks"], num_warps=warps,
     )
     if num_chunks:
         _scatter_kernel[(num_chunks,)](
-            flat, counts, starts, sorted_ids, num_slots, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=warps,
+            flat, counts, starts, sorted_ids, num_slots, num_experts, BLOCK_N=block_n, BLOCK_E=block_e,
+            num_warps=warps,
         )
     return sorted_ids, expert_ids, post_pad
 
@@ -154,21 +192,23 @@ def _call(topk_ids, block_size, num_experts):
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
         OP, _call, custom_op=align_block_size_triton, dtypes={torch.int32},
-        description="chunked one-hot count, single-program scan, stable scatter",
+        description="chunked one-hot count, parallel per-expert scan, stable scatter; invalid ids skipped",
     ))
 
 
 def _aot_variants():
-    """Per target: the three kernels for 8, 64 and 256 experts (tiles sized as at launch)."""
+    """Per target: the four kernels for every padded expert count from 2 to 1024 (tiles as at launch)."""
     for target, cfg in per_target(TILES):
-        for experts in (64, 8, 256):
-            block_e = triton.next_power_of_2(experts)
+        options = {"num_warps": cfg["num_warps"]}
+        for block_e in (64, 2, 4, 8, 16, 32, 128, 256, 512, 1024):
             block_n = max(16, triton.next_power_of_2(cfg["elems"] // block_e))
-            options = {"num_warps": cfg["num_warps"]}
+            scan_e, scan_c = scan_tiles(block_e, cfg)
             for kernel in (_count_kernel, _scatter_kernel):
                 yield variant(kernel, dict(BLOCK_N=block_n, BLOCK_E=block_e), pointer="*i32", options=options,
                               targets=(target,))
-            yield variant(_scan_kernel, dict(BLOCK_E=block_e, BLOCK_B=cfg["blocks"]), pointer="*i32",
+            yield variant(_scan_kernel, dict(BLOCK_E=block_e, SCAN_E=scan_e, SCAN_C=scan_c), pointer="*i32",
+                          options=options, targets=(target,))
+            yield variant(_blocks_kernel, dict(BLOCK_E=block_e, BLOCK_B=cfg["blocks"]), pointer="*i32",
                           options=options, targets=(target,))
 
 

@@ -28,6 +28,7 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
+from graft.platform import device_info, is_rocm, triton_interpret
 from graft.kernels.triton.moe_align import align_block_size_launch
 
 OP = "moe.fused_experts"
@@ -38,25 +39,44 @@ DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # gate columns and BLOCK_N // 2 up columns, the same accumulator footprint.
 TILES = {
     "hopper": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
     },
     "cdna3": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2},
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
     },
     "default": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
     },
     # The interpreter costs per tile op, not per FLOP: few programs, small M padding.
+    # GROUP_M 2 there so the tests walk the grouped order's bands and their ragged last band.
     "interpreter": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1},
-        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1},
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
+        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
     },
 }
+# GROUP_M: grouped tile order (see _grouped_tile). Prefill gives an expert many M blocks;
+# walking GROUP_M of them per weight column tile keeps that tile in L2 instead of
+# re-reading the expert's weights once per M block. Decode (one block per expert) gains
+# nothing from it: GROUP_M 1 is plain row-major order, N tiles fastest.
 SMALL_ROWS_PER_EXPERT = 32  # below this average, use the "small" tiles
 COMBINE_BLOCK_H = 1024
+
+
+@triton.jit
+def _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
+    """(M block, N tile) of this program: bands of GROUP_M M blocks, walked N tile by N tile,
+    M fastest inside a band. Aligned M blocks are sorted by expert, so a band is mostly
+    one expert's blocks and they read the same weight tile together."""
+    pid = tl.program_id(0)
+    per_band = GROUP_M * num_n_tiles
+    band = pid // per_band
+    first = band * GROUP_M
+    rows = tl.minimum(num_m_blocks - first, GROUP_M)
+    within = pid - band * per_band
+    return first + within % rows, within // rows
 
 
 @triton.jit
@@ -69,15 +89,12 @@ def _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M: tl.conste
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-    num_slots, top_k, hidden_size, inter, num_n_tiles,
+    num_slots, top_k, hidden_size, inter, num_m_blocks, num_n_tiles,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_as, stride_ai,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,  # see graft.kernels.triton._dot
 ):
-    # N tiles vary fastest: neighbouring programs share the same token rows.
-    pid = tl.program_id(0)
-    pid_m = pid // num_n_tiles
-    pid_n = pid % num_n_tiles
+    pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
     slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
@@ -107,14 +124,13 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, slot_out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-    num_slots, top_k, hidden_size, inter, num_n_tiles,
+    num_slots, top_k, hidden_size, inter, num_m_blocks, num_n_tiles,
     stride_as, stride_ai, stride_we, stride_wh, stride_wi, stride_os, stride_oh, stride_rt, stride_rk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,  # see graft.kernels.triton._dot
+    ACT_F32: tl.constexpr = False,  # fp32 activations (fp16 inputs): w is widened to match
 ):
-    pid = tl.program_id(0)
-    pid_m = pid // num_n_tiles
-    pid_n = pid % num_n_tiles
+    pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
     slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
@@ -129,6 +145,8 @@ def _down_kernel(
         k_ok = ks < inter
         a = tl.load(a_rows + ks[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if ACT_F32:
+            w = w.to(tl.float32)
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
@@ -137,13 +155,19 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(slot_out_ptr, out_ptr, hidden_size, top_k, stride_ot, stride_oh, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    slot_out_ptr, out_ptr, ids_ptr, hidden_size, top_k, num_experts, stride_ot, stride_oh, stride_it, stride_ik,
+    BLOCK_H: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < hidden_size
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(top_k):  # fixed slot order: deterministic, no atomics
-        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok, other=0.0)
+        # A skipped id (-1: another rank's expert; out of range) has no slot row: it adds nothing.
+        expert = tl.full([BLOCK_H], 0, tl.int32) + tl.load(ids_ptr + token * stride_it + j * stride_ik)
+        used = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0)
     tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -161,6 +185,13 @@ def _fit_gpu_tiles(cfg: dict, dtype: torch.dtype) -> dict:
         cfg["BLOCK_K"] = max(32, cfg["BLOCK_K"] // 2)
         cfg["num_stages"] = min(cfg["num_stages"], 3)
     return cfg
+
+
+def tf32_or_ieee(device) -> str:
+    """GEMM 2's precision for fp32 activations of fp16 inputs: TF32 where the GPU has it."""
+    if triton_interpret() or (is_rocm() and device_info(device).arch != "gfx942"):
+        return "ieee"
+    return "tf32"
 
 
 def _fused_experts(
@@ -185,7 +216,10 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
     max_blocks = expert_ids.numel()
-    act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=device)
+    # fp16 activations overflow (silu(g) * u past 65504) where the fp32 reference stays finite:
+    # keep them in fp32 and run GEMM 2 as TF32 (fp16's mantissa, fp32's range).
+    act_f32 = hidden.dtype == torch.float16
+    act = torch.empty((num_slots, inter), dtype=torch.float32 if act_f32 else hidden.dtype, device=device)
     slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
     flags = dict(
         **dot_flags(hidden.dtype, device),
@@ -195,22 +229,24 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     n_tiles = triton.cdiv(inter, gate_n)
     _gate_up_kernel[(max_blocks * n_tiles,)](
         hidden, w13, act, sorted_ids, expert_ids, post_pad,
-        num_slots, top_k, hidden_size, inter, n_tiles,
+        num_slots, top_k, hidden_size, inter, max_blocks, n_tiles,
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
         act.stride(0), act.stride(1),
-        BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, **flags,
+        BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], **flags,
     )
     n_tiles = triton.cdiv(hidden_size, block_n)
     _down_kernel[(max_blocks * n_tiles,)](
         act, w2, slot_out, topk_weights, sorted_ids, expert_ids, post_pad,
-        num_slots, top_k, hidden_size, inter, n_tiles,
+        num_slots, top_k, hidden_size, inter, max_blocks, n_tiles,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         slot_out.stride(0), slot_out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **flags,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], ACT_F32=act_f32,
+        **(dict(flags, PRECISION=tf32_or_ieee(device)) if act_f32 else flags),
     )
     block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden_size))
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-        slot_out, out, hidden_size, top_k, out.stride(0), out.stride(1), BLOCK_H=block_h,
+        slot_out, out, topk_ids, hidden_size, top_k, num_experts, out.stride(0), out.stride(1),
+        topk_ids.stride(0), topk_ids.stride(1), BLOCK_H=block_h,
     )
     return out
 
@@ -243,13 +279,21 @@ def _aot_variants():
     for target, table in per_target(TILES):
         for size, name in (("large", "bf16"), ("small", "fp16"), ("large", "fp32"), ("small", "bf16")):
             blocks, options = split_tiles(_fit_gpu_tiles(table[size], dtypes[name]))
-            flags = dict(UPCAST=False, PRECISION="ieee", BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"])
+            flags = dict(UPCAST=False, PRECISION="ieee", BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"],
+                         GROUP_M=blocks["GROUP_M"])
+            act = {"act_ptr": "*fp32"} if name == "fp16" else {}
             yield variant(_gate_up_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer=f"*{name}",
-                          options=options, targets=(target,), **routing)
-            yield variant(_down_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer=f"*{name}", options=options,
-                          targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                          options=options, targets=(target,), **routing, **act)
+            down = dict(flags, BLOCK_N=blocks["BLOCK_N"])
+            if name == "fp16":  # fp32 activations, TF32 GEMM 2 (see _launch)
+                yield variant(_down_kernel, dict(down, ACT_F32=True, PRECISION="tf32"), pointer="*fp16",
+                              options=options, targets=(target,), act_ptr="*fp32", slot_out_ptr="*fp32",
+                              weights_ptr="*fp32", **routing)
+            else:
+                yield variant(_down_kernel, down, pointer=f"*{name}", options=options,
+                              targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
     for name, block_h in (("bf16", COMBINE_BLOCK_H), ("fp32", 64)):
-        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32")
+        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32", ids_ptr="*i32")
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -6,7 +6,7 @@ widths fall back to the torch reference through the per-call check.
 
 Top-k is k rounds of "take the row maximum, then knock it out". Ties pick the lowest
 expert id (the min index among the maximal scores), the same rule as the reference's
-stable descending sort.
+stable descending sort; NaN scores rank highest, as there (never an invalid id).
 """
 from __future__ import annotations
 
@@ -53,18 +53,23 @@ def _topk_routing_kernel(
         x = tl.where(col_ok[None, :], x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         scores = p / tl.sum(p, axis=1)[:, None]
-    # Padding experts can never win: every real score is >= 0.
-    scores = tl.where(col_ok[None, :], scores, -1.0)
+    # Ranking keys: a NaN score ranks above every number (torch.sort's order, the
+    # reference's), so the picks stay real expert ids; padding experts can never win
+    # (every real score is >= 0), taken ones are knocked down to -2.
+    keys = tl.where(scores != scores, 2.0, scores)
+    keys = tl.where(col_ok[None, :], keys, -1.0)
 
     slots = tl.arange(0, BLOCK_K)
     top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     top_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
     for j in range(TOP_K):
-        best = tl.max(scores, axis=1)
-        best_id = tl.min(tl.where(scores == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
+        best = tl.max(keys, axis=1)
+        best_id = tl.min(tl.where(keys == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        picked = cols[None, :] == best_id[:, None]
+        weight = tl.sum(tl.where(picked, scores, 0.0), axis=1)  # the score itself (NaN stays NaN)
+        top_w = tl.where(slots[None, :] == j, weight[:, None], top_w)
         top_i = tl.where(slots[None, :] == j, best_id[:, None], top_i)
-        scores = tl.where(cols[None, :] == best_id[:, None], -2.0, scores)
+        keys = tl.where(picked, -2.0, keys)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
 
@@ -137,7 +142,7 @@ def _aot_variants():
             flags = dict(TOP_K=top_k, BLOCK_T=max(1, min(128, cfg["elems"] // block_e)), BLOCK_E=block_e,
                          BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=sigmoid, RENORMALIZE=renorm)
             yield variant(_topk_routing_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
-                          targets=(target,), weights_ptr="*fp32", ids_ptr="*i32")
+                          targets=(target,), values=dict(stride_le=1), weights_ptr="*fp32", ids_ptr="*i32")
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -31,7 +31,9 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(PagedDecod
   const int head_dim = args.head_dim;
   T* out = static_cast<T*>(args.out) + (static_cast<int64_t>(seq) * args.num_heads + head) * head_dim;
 
-  const int context_len = args.seq_lens[seq];
+  // Clamped to the table's capacity: no read past the sequence's block-table row.
+  const int64_t capacity = args.max_blocks_per_seq * args.block_size;
+  const int context_len = static_cast<int>(min(max(static_cast<int64_t>(args.seq_lens[seq]), int64_t{0}), capacity));
   if (context_len <= 0) {
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) out[d] = from_float<T>(0.0f);
     return;
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(PagedDecod
   float running_sum = 0.0f;
   for (int t = warp; t < context_len; t += num_warps) {
     const int64_t block = block_table[t / args.block_size];
+    if (block < 0 || block >= args.num_blocks) continue;  // invalid entry: its tokens are skipped (warp-uniform)
     const int64_t slot = t % args.block_size;
     const T* k = key_cache + block * args.k_stride_block + slot * args.k_stride_token + kv_head * args.k_stride_head;
     const T* v = value_cache + block * args.v_stride_block + slot * args.v_stride_token + kv_head * args.v_stride_head;
@@ -92,13 +95,16 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(PagedDecod
   __syncthreads();
   float global_max = -INFINITY;
   for (int w = 0; w < num_warps; ++w) global_max = fmaxf(global_max, warp_max_s[w]);
+  // Warps that saw no valid token hold max -inf, sum 0: weight 0. No valid token at all
+  // (every entry skipped): a zero row, as the reference gives.
+  auto weight = [&](int w) { return warp_max_s[w] == -INFINITY ? 0.0f : expf(warp_max_s[w] - global_max); };
   float total = 0.0f;
-  for (int w = 0; w < num_warps; ++w) total += warp_sum_s[w] * expf(warp_max_s[w] - global_max);
-  const float inv_total = 1.0f / total;
+  for (int w = 0; w < num_warps; ++w) total += warp_sum_s[w] * weight(w);
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < num_warps; ++w) {
-      value += warp_acc_s[w * kDecodeMaxHeadDim + d] * expf(warp_max_s[w] - global_max);
+      value += warp_acc_s[w * kDecodeMaxHeadDim + d] * weight(w);
     }
     out[d] = from_float<T>(value * inv_total);
   }

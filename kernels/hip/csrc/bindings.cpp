@@ -128,6 +128,8 @@ at::Tensor decode_paged(const at::Tensor& query, const at::Tensor& key_cache, co
   args.head_dim = static_cast<int>(query.size(2));
   args.block_size = static_cast<int>(key_cache.size(1));
   args.num_kv_heads = static_cast<int>(key_cache.size(2));
+  args.num_blocks = key_cache.size(0);
+  args.max_blocks_per_seq = block_tables.size(1);
   args.scale = static_cast<float>(scale);
   check_launch(graft::launch_paged_decode(dtype_of(query), args, c10::cuda::getCurrentCUDAStream()), "paged_decode");
   return out;

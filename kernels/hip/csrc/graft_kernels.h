@@ -38,6 +38,9 @@ struct PagedDecodeArgs {
   const int32_t* seq_lens;  // [num_seqs]
   void* out;  // contiguous [num_seqs, num_heads, head_dim]
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+  // Bounds for values that are not checked on the device: seq_lens are clamped to
+  // [0, max_blocks_per_seq * block_size], table entries outside [0, num_blocks) are skipped.
+  int64_t num_blocks, max_blocks_per_seq;
   float scale;
 };
 

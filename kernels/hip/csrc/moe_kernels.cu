@@ -17,9 +17,11 @@ template <typename T>
 __global__ void __launch_bounds__(kRoutingThreads)
     topk_routing_kernel(const T* __restrict__ logits, int64_t logits_stride, float* __restrict__ weights,
                         int32_t* __restrict__ ids, int experts, int top_k, bool renormalize, bool sigmoid) {
-  extern __shared__ float scores[];  // [experts]
+  extern __shared__ float scores[];  // [experts] scores, then [experts] taken flags
+  unsigned char* taken = reinterpret_cast<unsigned char*>(scores + experts);
   const int64_t token = blockIdx.x;
   const T* row = logits + token * logits_stride;
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) taken[e] = 0;
 
   float local_max = -INFINITY;
   for (int e = threadIdx.x; e < experts; e += blockDim.x) {
@@ -42,23 +44,30 @@ __global__ void __launch_bounds__(kRoutingThreads)
   }
   __syncthreads();
 
+  // Picks rank on keys: a NaN score ranks above every number (torch.sort's order, the
+  // reference's), taken experts get -inf. Every comparison is then ordered, so an
+  // all-NaN row still picks real ids (0, 1, ...) and best_id never stays INT32_MAX.
   float picked_total = 0.0f;
   for (int j = 0; j < top_k; ++j) {
     // Each thread scans its experts in increasing id order; strict '>' keeps the lowest id on ties.
     float best = -INFINITY;
     int best_id = INT32_MAX;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-      if (scores[e] > best) {
-        best = scores[e];
+      const float key = taken[e] ? -INFINITY : (isnan(scores[e]) ? INFINITY : scores[e]);
+      if (key > best || best_id == INT32_MAX) {
+        best = key;
         best_id = e;
       }
     }
     block_argmax(best, best_id);
-    picked_total += best;
+    if (best_id < 0 || best_id >= experts) best_id = 0;  // unreachable (top_k <= experts); never index past the row
+    const float weight = scores[best_id];
+    picked_total += weight;
+    __syncthreads();  // everyone has read scores/taken before thread 0 marks the pick
     if (threadIdx.x == 0) {
-      weights[token * top_k + j] = best;
+      weights[token * top_k + j] = weight;
       ids[token * top_k + j] = best_id;
-      scores[best_id] = -INFINITY;  // taken: scores are >= 0, so it is never picked again
+      taken[best_id] = 1;
     }
     __syncthreads();
   }
@@ -72,7 +81,7 @@ template <typename T>
 cudaError_t topk_routing_typed(const void* logits, int64_t logits_stride, float* weights, int32_t* ids,
                                int64_t tokens, int experts, int top_k, bool renormalize, bool sigmoid,
                                cudaStream_t stream) {
-  const size_t shared = static_cast<size_t>(experts) * sizeof(float);
+  const size_t shared = static_cast<size_t>(experts) * (sizeof(float) + 1);
   topk_routing_kernel<T><<<static_cast<unsigned>(tokens), kRoutingThreads, shared, stream>>>(
       static_cast<const T*>(logits), logits_stride, weights, ids, experts, top_k, renormalize, sigmoid);
   return cudaGetLastError();

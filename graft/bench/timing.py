@@ -1,0 +1,55 @@
+"""Interleaved timing: every variant runs in every round, in rotating order, so drifts of a
+shared, noisy machine hit all variants alike; results are medians over rounds, and ratios
+are medians of per-round ratios (each pair measured back to back, so a slow spell of the
+machine cancels within the pair instead of skewing one side's median)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+class Timings(dict):
+    """``{name: median seconds per call}``, with each round's samples in ``samples``."""
+
+    def __init__(self, medians: dict, samples: dict):
+        super().__init__(medians)
+        self.samples = samples
+
+    def ratio(self, name: str, baseline: str) -> float:
+        """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
+        pairs = [a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0]
+        return statistics.median(pairs) if pairs else float("inf")
+
+    def difference(self, name: str, baseline: str) -> float:
+        """Median over rounds of ``name``'s time minus ``baseline``'s in the same round (seconds)."""
+        return statistics.median(a - b for a, b in zip(self.samples[name], self.samples[baseline]))
+
+
+def interleaved(variants: dict, rounds: int, inner: int = 1, warmup: int = 1,
+                before: Callable | None = None, sync: Callable | None = None) -> Timings:
+    """Seconds per call of each ``variants[name]()``: the median over ``rounds`` rounds of
+    the mean over ``inner`` back-to-back calls. ``before(name)`` runs untimed before each
+    variant's batch (e.g. to switch graft on or off); ``sync()`` (e.g. a barrier across
+    ranks) runs untimed after it, so that one rank's untimed work is not timed on another
+    as a wait inside a collective."""
+    names = list(variants)
+    for name in names:
+        if before is not None:
+            before(name)
+        for _ in range(warmup):
+            variants[name]()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            if before is not None:
+                before(name)
+            if sync is not None:
+                sync()
+            fn = variants[name]
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner)
+    return Timings({name: statistics.median(values) for name, values in samples.items()}, samples)

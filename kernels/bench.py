@@ -1,0 +1,791 @@
+"""GPU kernel benchmark over model shapes, each graft kernel against the library baseline it
+replaces, measured in the same run (``ci/gpu_bench.sh``; ``graft bench-kernels``)::
+
+    python -m graft.kernels.bench --device cuda --out benchmarks         # one H200: < 8 minutes
+    python -m graft.kernels.bench --device cpu --quick --backends torch  # tiny shapes: the logic only
+
+Families and shapes (from the kernels' target models):
+
+* ``gemm``: (N, K) of Llama-3-8B and Llama-3-70B/TP8 projections at M in {1, 16, 64, 128,
+  512, 4096, 8192}: ``gemm.linear`` bf16 vs ``torch.matmul`` (cuBLAS), ``gemm.w8a8`` vs
+  ``torch._int_mm`` + scales, ``gemm.fp8`` (per tensor) vs ``torch._scaled_mm``, ``gemm.fp8``
+  (128x128 blocks) vs ``torch._scaled_mm`` row-wise, ``gemm.w4a16`` vs bf16 cuBLAS on the
+  dense weight;
+* ``prefill``: 32 query / 8 KV heads, d=128, causal, ragged 512..32k per sequence, vs SDPA's
+  flash and cuDNN backends (one call per sequence: SDPA has no varlen form);
+* ``decode``: paged decode at batch {1, 8, 64, 256} x context {1k, 4k, 32k}, vs SDPA on a
+  contiguous cache;
+* ``moe``: Mixtral (8 experts, top-2, 4096/14336) and DeepSeek-V3 (256, top-8, 7168/2048)
+  at T in {1, 64, 1024, 8192}, vs a loop over experts and a dense all-experts bf16 MoE;
+* ``fused``: rms_norm / silu_and_mul / rotary at T in {1, 256, 4096, 16384} x H in {4096,
+  7168, 8192}, vs ``F.rms_norm`` and eager torch.
+
+Timing: inputs are built on the device; each implementation is warmed up (Triton compiles
+there), then ``inner`` calls are captured in one CUDA graph (eager where capture is
+impossible, e.g. a baseline with host syncs, noted per result) and the implementations of
+a case are replayed in interleaved rounds; the median over rounds per call is reported,
+and ratios are baseline median / graft median (> 1: graft is faster). Value checks are
+off (``GRAFT_CHECK_VALUES=0``): each one is a device sync. Every case runs in try/except
+(its error recorded), a global time budget skips what is left (recorded as skipped), and
+each finished case prints one progress line. Writes ``kernels-<tag>.json`` and ``.html``.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+LLAMA_8B_NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+LLAMA_70B_TP8_NK = ((1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584))
+GEMM_M = (1, 16, 64, 128, 512, 4096, 8192)
+PREFILL_LENS = {  # name -> per-sequence lengths (ragged where there are several)
+    "ragged_4k": (512, 1024, 2560), "ragged_16k": (1024, 3072, 4096, 8192), "single_8k": (8192,),
+    "ragged_32k": (512, 7680, 8192, 16384), "single_32k": (32768,),
+}
+DECODE_BATCH = (1, 8, 64, 256)
+DECODE_CTX = (1024, 4096, 32768)
+MOE_MODELS = {"mixtral": (8, 2, 4096, 14336), "deepseek_v3": (256, 8, 7168, 2048)}  # E, top_k, H, I
+MOE_T = (1, 64, 1024, 8192)
+FUSED_T = (1, 256, 4096, 16384)
+FUSED_H = (4096, 7168, 8192)
+
+DENSE_MOE_MAX_FLOPS = 2e14  # the dense all-experts baseline past this takes seconds per call
+BASELINE_MAX_BYTES = 16 << 30  # skip a baseline whose extra inputs would take more memory
+TARGET_GRAPH_S = 2e-3  # calls per captured graph: about this long per replay
+
+
+@dataclass
+class Case:
+    family: str
+    name: str
+    params: dict
+    build: Callable  # (device, dtype) -> (graft impls {label: fn}, baselines {label: fn})
+    tier: int = 1  # tier 0 runs first, so a budget cut drops the tail, not whole families
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+@dataclass
+class Result:
+    family: str
+    name: str
+    params: dict
+    status: str = "ok"  # ok | error | skipped
+    note: str = ""
+    timings: dict = field(default_factory=dict)  # label -> {"median_s", "mode", "inner", ...} or {"error"}
+    ratios: dict = field(default_factory=dict)  # "graft_label vs baseline_label" -> baseline/graft
+    value_check: dict = field(default_factory=dict)  # graft label -> max relative difference vs first baseline
+    flops: float = 0.0
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def _gen(device):
+    import torch
+
+    return torch.Generator(device=device).manual_seed(0)
+
+
+def _randn(shape, device, dtype, gen, scale=1.0):
+    import torch
+
+    return (torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * scale).to(dtype)
+
+
+def graft_impls(op: str, args: tuple, backends) -> dict:
+    """``{"graft:<backend>": fn}`` for every registered implementation of ``op`` that can serve
+    ``args`` here (``backends``: the ones to keep; None: all but the torch reference, which is
+    kept only when nothing else serves)."""
+    from graft import get_registry
+    from graft.dispatch import key_tensor
+    from graft.platform import device_info
+
+    registry = get_registry()
+    spec = registry.op(op)
+    tensor = key_tensor(spec, args, {})
+    device_type, dtype = tensor.device.type, tensor.dtype
+    arch = device_info(tensor.device).arch if device_type == "cuda" else device_type
+    found = {}
+    for impl in registry.impls[op]:
+        if backends is not None and impl.backend not in backends:
+            continue
+        if impl.static_reason(device_type, dtype, arch) is not None:
+            continue
+        if impl.check is not None and impl.check(*args) is not None:
+            continue
+        found[f"graft:{impl.backend}"] = (lambda fn: lambda: fn(*args))(impl.fn)
+    if backends is None and len(found) > 1:
+        found.pop("graft:torch", None)
+    return found
+
+
+def _gemm_cases(quick: bool, backends) -> list:
+    shapes = [(64, 96)] if quick else list(LLAMA_8B_NK + LLAMA_70B_TP8_NK)
+    ms = (1, 16, 33) if quick else GEMM_M
+
+    def linear(m, n, k):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            x, w = _randn((m, k), device, dtype, gen), _randn((n, k), device, dtype, gen, 1 / math.sqrt(k))
+            return graft_impls("gemm.linear", (x, w, None, "none"), backends), {"torch.matmul": lambda: torch.matmul(x, w.t())}
+        return build
+
+    def w8a8(m, n, k):
+        def build(device, dtype):
+            import torch
+
+            from graft import quant
+
+            gen = _gen(device)
+            x_q, xs = quant.quantize_per_token_int8(_randn((m, k), device, torch.float32, gen))
+            w_q, ws = quant.quantize_per_channel_int8(_randn((n, k), device, torch.float32, gen))
+            args = (x_q, w_q, xs, ws, None, dtype)
+            wt = w_q.t()
+            return graft_impls("gemm.w8a8", args, backends), {
+                "torch._int_mm+scales": lambda: (torch._int_mm(x_q, wt).float() * xs * ws).to(dtype)}
+        return build
+
+    def fp8(m, n, k, blockwise):
+        def build(device, dtype):
+            import torch
+
+            from graft import quant
+
+            gen = _gen(device)
+            x, w = _randn((m, k), device, torch.float32, gen), _randn((n, k), device, torch.float32, gen, 1 / math.sqrt(k))
+            fmt = torch.float8_e4m3fnuz if _is_rocm() else torch.float8_e4m3fn
+            if blockwise:
+                (x_q, xs), (w_q, ws) = quant.quantize_fp8_per_token_group(x, dtype=fmt), quant.quantize_fp8_block(w, dtype=fmt)
+                # the row-wise scaled_mm: the same fp8 MMA with scales applied once (its cost floor)
+                row_xs = xs.amax(dim=1, keepdim=True)
+                row_ws = ws.amax(dim=1).repeat_interleave(128)[:n].reshape(1, n).contiguous()
+                base = {"torch._scaled_mm(rowwise)": lambda: torch._scaled_mm(
+                    x_q, w_q.t(), scale_a=row_xs, scale_b=row_ws, out_dtype=dtype)}
+            else:
+                (x_q, xs), (w_q, ws) = quant.quantize_fp8_per_tensor(x, fmt), quant.quantize_fp8_per_tensor(w, fmt)
+                xs0, ws0 = xs.reshape(()), ws.reshape(())
+                base = {"torch._scaled_mm": lambda: torch._scaled_mm(x_q, w_q.t(), scale_a=xs0, scale_b=ws0,
+                                                                     out_dtype=dtype)}
+            return graft_impls("gemm.fp8", (x_q, w_q, xs, ws, None, dtype), backends), base
+        return build
+
+    def w4a16(m, n, k):
+        def build(device, dtype):
+            import torch
+
+            from graft.quant import dequantize_int4, pack_int4
+
+            gen = _gen(device)
+            g = 128 if k % 128 == 0 else -1
+            groups = 1 if g == -1 else k // g
+            q = torch.randint(0, 16, (k, n), device=device, generator=gen, dtype=torch.int32)
+            z = torch.randint(1, 16, (groups, n), device=device, generator=gen, dtype=torch.int32)
+            qweight, qzeros = pack_int4(q, z, "gptq")
+            scales = _randn((groups, n), device, dtype, gen, 1 / (4 * math.sqrt(k))).abs()
+            x = _randn((m, k), device, dtype, gen)
+            w = dequantize_int4(q, z, scales.float(), g).t().contiguous().to(dtype)  # the same weight, dense
+            args = (x, qweight, scales, qzeros, None, g, "gptq")
+            return graft_impls("gemm.w4a16", args, backends), {"torch.matmul(bf16 weight)": lambda: torch.matmul(x, w.t())}
+        return build
+
+    cases = []
+    for n, k in shapes:
+        for m in ms:
+            tier = 0 if (n, k) in ((4096, 4096), (28672, 4096), (64, 96)) and m in (1, 16, 128, 4096, 33) else 1
+            flops, shape = 2.0 * m * n * k, dict(M=m, N=n, K=k)
+            for op, build, nbytes in (
+                ("linear_bf16", linear(m, n, k), 2 * (m * k + n * k + m * n)),
+                ("w8a8", w8a8(m, n, k), m * k + n * k + 2 * m * n),
+                ("fp8_tensor", fp8(m, n, k, False), m * k + n * k + 2 * m * n),
+                ("fp8_block", fp8(m, n, k, True), m * k + n * k + 2 * m * n),
+                ("w4a16_gptq", w4a16(m, n, k), 2 * m * k + n * k / 2 + 2 * m * n),
+            ):
+                cases.append(Case("gemm", f"{op}_m{m}_n{n}_k{k}", dict(shape, op=op), build, tier, flops, nbytes))
+    return cases
+
+
+def _sdpa_loop(q, k, v, lens, backend, causal=True):
+    """One SDPA call per sequence (GQA heads expanded outside the timed region)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    views, start = [], 0
+    for n in lens:
+        views.append(tuple(t[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+        start += n
+
+    def run():
+        with sdpa_kernel(which):
+            return [torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal) for a, b, c in views]
+    return run
+
+
+def _prefill_cases(quick: bool, backends) -> list:
+    table = {"ragged_tiny": (16, 40, 24)} if quick else PREFILL_LENS
+    hq, hkv, d = (4, 2, 64) if quick else (32, 8, 128)
+
+    def build_for(lens):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            total = sum(lens)
+            q = _randn((total, hq, d), device, dtype, gen)
+            k = _randn((total, hkv, d), device, dtype, gen)
+            v = _randn((total, hkv, d), device, dtype, gen)
+            cu = torch.tensor([0, *itertools_accumulate(lens)], dtype=torch.int32, device=device)
+            args = (q, k, v, cu, cu, max(lens), max(lens), True, None)
+            ke, ve = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+            base = {f"sdpa_{b}": _sdpa_loop(q, ke, ve, lens, b) for b in ("flash", "cudnn")}
+            return graft_impls("attention.prefill", args, backends), base
+        return build
+
+    cases = []
+    for name, lens in table.items():
+        pairs = sum(n * (n + 1) // 2 for n in lens)
+        tier = 0 if name in ("ragged_4k", "ragged_16k", "ragged_tiny") else 1
+        cases.append(Case("prefill", name, dict(seq_lens=list(lens), heads=f"{hq}/{hkv}", head_dim=d, causal=True),
+                          build_for(lens), tier, 4.0 * pairs * hq * d, 2.0 * sum(lens) * (hq + 2 * hkv + hq) * d))
+    return cases
+
+
+def itertools_accumulate(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _decode_cases(quick: bool, backends) -> list:
+    grid = [(2, 48), (3, 100)] if quick else [(b, c) for c in DECODE_CTX for b in DECODE_BATCH]
+    hq, hkv, d, block = (4, 2, 64, 16) if quick else (32, 8, 128, 16)
+
+    def build_for(batch, ctx):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            per_seq = -(-ctx // block)
+            num_blocks = batch * per_seq
+            kc = _randn((num_blocks, block, hkv, d), device, dtype, gen)
+            vc = _randn((num_blocks, block, hkv, d), device, dtype, gen)
+            tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32).reshape(batch, per_seq)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            query = _randn((batch, hq, d), device, dtype, gen)
+            args = (query, kc, vc, tables, lens, None, 0)
+            base = {}
+            if 2 * batch * ctx * hkv * d * kc.element_size() <= BASELINE_MAX_BYTES:
+                # SDPA on a contiguous cache (the gather is not timed), GQA in the kernel
+                def contiguous(cache, heads=hkv):
+                    flat = cache[tables.long().reshape(-1)].reshape(batch, per_seq * block, hkv, d)[:, :ctx]
+                    return flat.repeat_interleave(heads // hkv, dim=2).transpose(1, 2).contiguous()
+                ks, vs, qs = contiguous(kc), contiguous(vc), query.unsqueeze(2)
+                base = {f"sdpa_{b}": _sdpa_single(qs, ks, vs, b, gqa=True) for b in ("flash", "cudnn")}
+                if 2 * batch * ctx * hq * d * kc.element_size() <= BASELINE_MAX_BYTES:  # where GQA is refused
+                    ke, ve = contiguous(kc, hq), contiguous(vc, hq)
+                    base["sdpa_flash(kv expanded)"] = _sdpa_single(qs, ke, ve, "flash")
+            return graft_impls("attention.decode_paged", args, backends), base
+        return build
+
+    cases = []
+    for batch, ctx in grid:
+        tier = 0 if (batch, ctx) in ((1, 4096), (64, 4096), (2, 48)) else 1
+        note_bytes = 2.0 * batch * ctx * hkv * d * 2
+        cases.append(Case("decode", f"b{batch}_ctx{ctx}", dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}", head_dim=d),
+                          build_for(batch, ctx), tier, 4.0 * batch * ctx * hq * d, note_bytes))
+    return cases
+
+
+def _sdpa_single(q, k, v, backend, gqa=False):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    extra = {"enable_gqa": True} if gqa and k.shape[1] != q.shape[1] else {}
+
+    def run():
+        with sdpa_kernel(which):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, **extra)
+    return run
+
+
+def _moe_cases(quick: bool, backends) -> list:
+    models = {"tiny": (4, 2, 64, 96)} if quick else MOE_MODELS
+    ts = (1, 5, 33) if quick else MOE_T
+
+    def build_for(e, top_k, h, inter, t):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            hidden = _randn((t, h), device, dtype, gen)
+            w13 = _randn((e, 2 * inter, h), device, dtype, gen, 1 / math.sqrt(h))
+            w2 = _randn((e, h, inter), device, dtype, gen, 1 / math.sqrt(inter))
+            logits = torch.randn((t, e), device=device, generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+            weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+            args = (hidden, w13, w2, weights, ids, "silu")
+            base = {"loop_over_experts": lambda: _moe_loop(hidden, w13, w2, weights, ids)}
+            if 6.0 * t * e * h * inter <= DENSE_MOE_MAX_FLOPS:
+                dense_w = torch.zeros((t, e), device=device, dtype=torch.float32).scatter_(1, ids.long(), weights)
+                base["dense_bf16_all_experts"] = lambda: _moe_dense(hidden, w13, w2, dense_w)
+            return graft_impls("moe.fused_experts", args, backends), base
+        return build
+
+    def build_fp8(e, top_k, h, inter, t):
+        def build(device, dtype):
+            import torch
+
+            from graft import quant
+
+            gen = _gen(device)
+            fmt = torch.float8_e4m3fnuz if _is_rocm() else torch.float8_e4m3fn
+            hidden = _randn((t, h), device, dtype, gen)
+            w13 = _randn((e, 2 * inter, h), device, dtype, gen, 1 / math.sqrt(h))
+            w2 = _randn((e, h, inter), device, dtype, gen, 1 / math.sqrt(inter))
+            # per expert: the fp32 temporaries of one expert at a time, not of all 256
+            q13, q2 = [quant.quantize_fp8_block(w, dtype=fmt) for w in w13], [quant.quantize_fp8_block(w, dtype=fmt) for w in w2]
+            w13_q, w13_s = torch.stack([q for q, _ in q13]), torch.stack([s for _, s in q13])
+            w2_q, w2_s = torch.stack([q for q, _ in q2]), torch.stack([s for _, s in q2])
+            logits = torch.randn((t, e), device=device, generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+            weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+            args = (hidden, w13_q, w2_q, w13_s, w2_s, weights, ids, "silu")
+            impls = graft_impls("moe.fused_experts_fp8", args, backends)
+            # graft's own bf16 fused MoE on the same (unquantized) weights: what fp8 buys
+            impls.update({f"{k} (bf16 weights)": v for k, v in
+                          graft_impls("moe.fused_experts", (hidden, w13, w2, weights, ids, "silu"), backends).items()})
+            return impls, {"loop_over_experts(bf16)": lambda: _moe_loop(hidden, w13, w2, weights, ids)}
+        return build
+
+    cases = []
+    for model, (e, top_k, h, inter) in models.items():
+        for t in ts:
+            tier = 0 if t in (64, 1024, 5) else 1
+            flops = 6.0 * t * top_k * h * inter
+            touched = min(e, t * top_k)
+            cases.append(Case("moe", f"{model}_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h, inter=inter, T=t),
+                              build_for(e, top_k, h, inter, t), tier, flops, 2.0 * touched * 3 * h * inter))
+            if model in ("deepseek_v3", "tiny"):  # DeepSeek-V3 ships fp8 block-scaled experts
+                cases.append(Case("moe", f"{model}_fp8_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h,
+                                                                    inter=inter, T=t, weights="fp8 128x128 blocks"),
+                                  build_fp8(e, top_k, h, inter, t), tier, flops, 1.0 * touched * 3 * h * inter))
+    return cases
+
+
+def _moe_loop(hidden, w13, w2, weights, ids):
+    """The loop-over-experts MoE most frameworks start from (host syncs: eager only)."""
+    import torch
+
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    inter = w13.shape[1] // 2
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        gu = hidden[tok] @ w13[e].t()
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tok, (act @ w2[e].t()).float() * weights[tok, slot, None])
+    return out.to(hidden.dtype)
+
+
+def _moe_dense(hidden, w13, w2, dense_w):
+    """Every token through every expert, weighted by its (mostly zero) routing weight."""
+    import torch
+
+    gu = torch.einsum("th,eih->eti", hidden, w13)
+    inter = w13.shape[1] // 2
+    act = torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+    y = torch.einsum("eti,ehi->eth", act, w2)
+    return torch.einsum("eth,te->th", y.float(), dense_w).to(hidden.dtype)
+
+
+def _fused_cases(quick: bool, backends) -> list:
+    ts = (1, 7) if quick else FUSED_T
+    hs = (64,) if quick else FUSED_H
+
+    def rms(t, h):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            x, w = _randn((t, h), device, dtype, gen), _randn((h,), device, dtype, gen)
+            return graft_impls("fused.rms_norm", (x, w, 1e-6, None), backends), {
+                "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (h,), w, 1e-6)}
+        return build
+
+    def silu(t, h):
+        def build(device, dtype):
+            import torch
+
+            x = _randn((t, 2 * h), device, dtype, _gen(device))
+            return graft_impls("fused.silu_and_mul", (x,), backends), {
+                "torch eager": lambda: torch.nn.functional.silu(x[:, :h]) * x[:, h:]}
+        return build
+
+    def rope(t, h):
+        def build(device, dtype):
+            import torch
+
+            from graft.ops.fused import cos_sin_cache, rotary_embedding_reference
+
+            gen = _gen(device)
+            d = 64 if quick else 128
+            q, k = _randn((t, h), device, dtype, gen), _randn((t, max(h // 4, d)), device, dtype, gen)
+            cache = cos_sin_cache(8192, d, device=device)
+            pos = torch.randint(0, 8192, (t,), device=device, generator=gen)
+            args = (pos, q, k, d, cache, True)
+            return graft_impls("fused.rotary_embedding", args, backends), {
+                "torch eager": lambda: rotary_embedding_reference(*args)}
+        return build
+
+    cases = []
+    for h in hs:
+        for t in ts:
+            tier = 0 if (h in (4096, 64) and t in (4096, 7)) else 1
+            for op, build, nbytes in (("rms_norm", rms(t, h), 4 * t * h), ("silu_and_mul", silu(t, h), 6 * t * h),
+                                      ("rotary", rope(t, h), 5 * t * h)):
+                cases.append(Case("fused", f"{op}_t{t}_h{h}", dict(op=op, T=t, H=h), build, tier, 0.0, nbytes))
+    return cases
+
+
+FAMILIES = {"gemm": _gemm_cases, "prefill": _prefill_cases, "decode": _decode_cases, "moe": _moe_cases,
+            "fused": _fused_cases}
+
+
+def all_cases(families, quick: bool, backends) -> list:
+    keyed = []
+    for fam in families:
+        for i, case in enumerate(FAMILIES[fam](quick, backends)):
+            keyed.append(((case.tier, i), case))
+    # tier 0 first; inside a tier the families take turns, so a budget cut spreads over all
+    return [case for _, case in sorted(keyed, key=lambda kc: kc[0])]
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _is_rocm() -> bool:
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _clock(device):
+    """(start, stop -> seconds) for one timed region."""
+    import torch
+
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+
+        def stop():
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return stop
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0
+
+
+def prepare(fn, device, use_graphs: bool, warmup: int = 2):
+    """Warm ``fn`` up and return ``(run, inner, mode, output)``: ``run()`` performs ``inner``
+    calls (one CUDA graph replay when capture works, else eagerly)."""
+    import torch
+
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    _sync(device)
+    stop = _clock(device)
+    fn()
+    one = max(stop(), 1e-7)
+    inner = max(1, min(50, int(TARGET_GRAPH_S / one)))
+    if use_graphs and device.type == "cuda":
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(inner):
+                    fn()
+            graph.replay()
+            _sync(device)
+            return graph.replay, inner, "cuda_graph", out
+        except Exception as exc:  # noqa: BLE001 - host syncs etc.: time it eagerly instead
+            _sync(device)
+            mode = f"eager (graph capture failed: {type(exc).__name__})"
+    else:
+        mode = "eager"
+
+    def run():
+        for _ in range(inner):
+            fn()
+    return run, inner, mode, out
+
+
+def _max_rel_diff(a, b) -> float | None:
+    import torch
+
+    def first(t):
+        if isinstance(t, list) and t and all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in t):
+            return torch.cat([x[0].transpose(0, 1) for x in t])  # per-sequence SDPA [1, H, S, D] -> packed
+        while isinstance(t, (list, tuple)) and t:
+            t = t[0]
+        return t if isinstance(t, torch.Tensor) else None
+
+    a, b = first(a), first(b)
+    if a is None or b is None or a.numel() != b.numel():
+        return None
+    a, b = a.float().reshape(-1), b.float().reshape(-1)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int) -> Result:
+    import torch
+
+    result = Result(case.family, case.name, case.params, flops=case.flops, bytes=case.bytes)
+    t0 = time.perf_counter()
+    try:
+        graft, baselines = case.build(device, dtype)
+        if not graft:
+            raise RuntimeError("no graft implementation serves this case here")
+        runners, outputs = {}, {}
+        for label, fn in {**graft, **baselines}.items():
+            try:
+                run, inner, mode, out = prepare(fn, device, use_graphs)
+                runners[label] = (run, inner)
+                outputs[label] = out
+                result.timings[label] = {"mode": mode, "inner": inner, "samples_s": []}
+            except Exception as exc:  # noqa: BLE001 - one failing implementation must not lose the case
+                result.timings[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        for _ in range(rounds):  # interleaved: every implementation once per round
+            for label, (run, inner) in runners.items():
+                stop = _clock(device)
+                run()
+                result.timings[label]["samples_s"].append(stop() / inner)
+        for label in runners:
+            samples = result.timings[label]["samples_s"]
+            result.timings[label]["median_s"] = statistics.median(samples)
+        timed_base = [b for b in baselines if b in runners]
+        for g in graft:
+            if g not in runners:
+                continue
+            for b in timed_base:
+                result.ratios[f"{g} vs {b}"] = result.timings[b]["median_s"] / result.timings[g]["median_s"]
+            if timed_base:
+                result.value_check[g] = _max_rel_diff(outputs[g], outputs[timed_base[0]])
+        if not any(g in runners for g in graft):
+            result.status, result.note = "error", "every graft implementation failed"
+        del runners, outputs
+    except Exception as exc:  # noqa: BLE001 - record and go on
+        result.status, result.note = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _environment(device) -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda, hip=torch.version.hip)
+    try:
+        env["graft_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                             cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - not a checkout
+        env["graft_commit"] = None
+    return env
+
+
+def summary(results: list) -> dict:
+    """Per family: cases ok/error/skipped and the geometric-mean ratio per graft-vs-baseline pair."""
+    out = {}
+    for r in results:
+        fam = out.setdefault(r.family, {"ok": 0, "error": 0, "skipped": 0, "geomean_ratio": {}})
+        fam[r.status] += 1
+        for pair, ratio in r.ratios.items():
+            fam["geomean_ratio"].setdefault(pair.split(" vs ")[1], []).append(ratio)
+    for fam in out.values():
+        fam["geomean_ratio"] = {b: math.exp(sum(map(math.log, v)) / len(v)) for b, v in fam["geomean_ratio"].items()}
+    return out
+
+
+def write_reports(results: list, env: dict, out_dir: str, tag: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    payload = {"environment": env, "summary": summary(results), "results": [vars(r) for r in results],
+               "how_to_read": "ratio = baseline median / graft median for one call (> 1: graft faster); "
+                              "times are per call, medians over interleaved rounds; absolute times are "
+                              "device-specific"}
+    json_path = os.path.join(out_dir, f"kernels-{tag}.json")
+    with open(json_path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    html_path = os.path.join(out_dir, f"kernels-{tag}.html")
+    with open(html_path, "w") as f:
+        f.write(render_html(results, env, payload["summary"]))
+    return json_path, html_path
+
+
+def _fmt_s(s) -> str:
+    return "-" if s is None else f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def render_html(results: list, env: dict, summ: dict) -> str:
+    esc = html.escape
+    rows = []
+    for r in results:
+        timings = "<br>".join(
+            f"{esc(label)}: {esc(t['error']) if 'error' in t else _fmt_s(t.get('median_s'))}"
+            + ("" if t.get("mode", "cuda_graph") == "cuda_graph" or "error" in t else f" <i>({esc(t['mode'])})</i>")
+            for label, t in r.timings.items())
+        ratios = "<br>".join(
+            f"<span style='color:{'#070' if v >= 1 else '#b00'}'>{esc(p)}: <b>{v:.2f}x</b></span>"
+            for p, v in r.ratios.items())
+        best = min((t["median_s"] for label, t in r.timings.items() if label.startswith("graft") and "median_s" in t),
+                   default=None)
+        rate = ""
+        if best:
+            rate = f"{r.flops / best / 1e12:.1f} TFLOP/s" if r.flops else ""
+            rate += f"<br>{r.bytes / best / 1e9:.0f} GB/s" if r.bytes else ""
+        checks = "<br>".join(f"{esc(k)}: {v:.1e}" for k, v in r.value_check.items() if v is not None)
+        rows.append(f"<tr class='{r.status}'><td>{esc(r.family)}</td><td>{esc(r.name)}</td><td>{esc(r.status)}"
+                    f"{'<br>' + esc(r.note) if r.note else ''}</td><td>{timings}</td><td>{ratios}</td>"
+                    f"<td>{rate}</td><td>{checks}</td></tr>")
+    summ_rows = "".join(
+        f"<tr><td>{esc(f)}</td><td>{s['ok']}/{s['error']}/{s['skipped']}</td><td>"
+        + "<br>".join(f"vs {esc(b)}: <b>{v:.2f}x</b>" for b, v in s["geomean_ratio"].items()) + "</td></tr>"
+        for f, s in summ.items())
+    env_rows = "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in env.items())
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>graft kernel benchmark</title>
+<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;margin-bottom:1.5em}}
+td,th{{border:1px solid #ccc;padding:3px 6px;vertical-align:top;font-size:13px}}tr.error{{background:#fee}}
+tr.skipped{{background:#eee;color:#777}}</style></head><body>
+<h1>graft kernel benchmark</h1>
+<p>Ratio = baseline median / graft median per call, both measured in this run (interleaved rounds,
+CUDA graphs unless noted); &gt; 1 means graft is faster. Absolute times are device-specific.</p>
+<h2>Environment</h2><table>{env_rows}</table>
+<h2>Summary (geometric mean of ratios; cases ok/error/skipped)</h2>
+<table><tr><th>family</th><th>ok/error/skipped</th><th>ratio</th></tr>{summ_rows}</table>
+<h2>Cases</h2><table><tr><th>family</th><th>case</th><th>status</th><th>median per call</th><th>ratio</th>
+<th>graft rate</th><th>max rel. diff vs baseline</th></tr>{''.join(rows)}</table></body></html>
+"""
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cuda (default when a GPU is visible) or cpu")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated subset of {', '.join(FAMILIES)}")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                        help="activation / output dtype")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the script's logic, not speed")
+    parser.add_argument("--backends", default=None,
+                        help="graft backends to time (default: every one but the torch reference)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="stop starting cases after this many seconds (the rest are recorded as skipped)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per case")
+    parser.add_argument("--no-graphs", action="store_true", help="time eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--match", default=None, help="only cases whose family/name contains this")
+    parser.add_argument("--out", default="benchmarks", help="directory for kernels-<tag>.json/.html")
+    parser.add_argument("--tag", default=None, help="file name tag (default: the device's name)")
+
+
+def run(args) -> int:
+    os.environ["GRAFT_CHECK_VALUES"] = "0"  # value checks are device syncs; before graft reads its config
+    import torch
+
+    from graft.errors import GraftInputError
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GraftInputError("--device cuda but torch sees no GPU")
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise GraftInputError(f"unknown families {unknown}; expected a subset of {', '.join(FAMILIES)}")
+    backends = None if args.backends is None else {b.strip() for b in args.backends.split(",") if b.strip()}
+    dtype = getattr(torch, args.dtype)
+    cases = all_cases(families, args.quick, backends)
+    if args.match:
+        cases = [c for c in cases if args.match in f"{c.family}/{c.name}"]
+    env = _environment(device)
+    env.update(dtype=args.dtype, quick=args.quick, budget_s=args.budget_s, rounds=args.rounds,
+               graphs=not args.no_graphs and device.type == "cuda", check_values=os.environ["GRAFT_CHECK_VALUES"])
+    tag = args.tag or ("cpu-quick" if device.type == "cpu" else
+                       "".join(ch if ch.isalnum() else "-" for ch in env.get("gpu", "gpu").lower()).strip("-"))
+    print(f"graft kernel benchmark: {len(cases)} cases on {env.get('gpu', device)}, budget {args.budget_s:.0f}s",
+          flush=True)
+    start = time.perf_counter()
+    results = []
+    for i, case in enumerate(cases, 1):
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            results.append(Result(case.family, case.name, case.params, status="skipped",
+                                  note=f"time budget of {args.budget_s:.0f}s spent", flops=case.flops, bytes=case.bytes))
+            continue
+        r = run_case(case, device, dtype, not args.no_graphs, args.rounds)
+        results.append(r)
+        write_reports(results, env, args.out, tag)  # after every case: a killed run still leaves its results
+        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
+        print(f"[{i}/{len(cases)} {elapsed:5.0f}s] {r.status:5} {case.family}/{case.name}: {ratios}", flush=True)
+    skipped = sum(r.status == "skipped" for r in results)
+    env["wall_s"] = round(time.perf_counter() - start, 1)
+    if skipped:
+        print(f"{skipped} case(s) skipped: time budget of {args.budget_s:.0f}s spent", flush=True)
+    json_path, html_path = write_reports(results, env, args.out, tag)
+    print(f"wrote {json_path} and {html_path}", flush=True)
+    for fam, s in summary(results).items():
+        means = ", ".join(f"vs {b} {v:.2f}x" for b, v in s["geomean_ratio"].items())
+        print(f"  {fam}: {s['ok']} ok, {s['error']} error, {s['skipped']} skipped; geomean {means}", flush=True)
+    return 0 if any(r.status == "ok" for r in results) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graft.kernels.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Triton kernels for ``moe.fused_experts_fp8``: DeepSeek-V3-style fp8 experts.
+
+The pipeline of :mod:`graft.kernels.triton.moe_fused` (align, GEMM 1 with SiLU-and-mul,
+weighted GEMM 2 per slot, ordered combine; grouped tile order; no host sync) with fp8
+operands and block scales:
+
+* activations are quantized per token per 128 features (torch ops from
+  :mod:`graft.quant`, CUDA-graph safe): ``hidden`` before GEMM 1, the SiLU-and-mul rows
+  (rounded to hidden's dtype) before GEMM 2;
+* each K step is one 128-group (BLOCK_K divides 128): the fp8 MMA of the step goes into a
+  fresh fp32 tile that is added to the accumulator times ``x_scale[row, g] *
+  w_scale[e, col // 128, g]``, so every partial product is scaled exactly once.
+
+Interpreted, fp8 tiles are widened to fp32 before the dot (as graft.kernels.triton.gemm_fp8).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graft.custom_ops import custom_op_name, define_op
+from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._common import on_device, triton_implementation
+from graft.kernels.triton.moe_align import align_block_size_launch
+from graft.kernels.triton.moe_fused import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.platform import triton_interpret
+
+OP = "moe.fused_experts_fp8"
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+# BLOCK_K is one 128-group (the scale block); BLOCK_N as in moe_fused (GEMM 1 splits it into
+# gate and up halves). 1-byte operands: twice moe_fused's K per stage in the same memory.
+TILES = {
+    "hopper": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    },
+    "cdna3": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
+    },
+    "default": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
+        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    },
+    "interpreter": {
+        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
+        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
+    },
+}
+
+
+@triton.jit
+def _gate_up_fp8_kernel(
+    x_ptr, xs_ptr, w13_ptr, ws_ptr, act_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    num_slots, top_k, hidden_size, inter, num_m_blocks, num_n_tiles,
+    stride_xt, stride_xh, stride_xst, stride_xsg, stride_we, stride_wn, stride_wh,
+    stride_se, stride_sn, stride_sg, stride_as, stride_ai,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    token = (slot // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    x_rows = x_ptr + token[:, None] * stride_xt
+    xs_rows = xs_ptr + token * stride_xst
+    w_base = w13_ptr + expert * stride_we
+    gate_cols = w_base + cols[None, :].to(tl.int64) * stride_wn
+    up_cols = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    s_base = ws_ptr + expert * stride_se
+    gate_scales = s_base + (cols // 128) * stride_sn  # 128: the scale block
+    up_scales = s_base + ((cols + inter) // 128) * stride_sn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden_size
+        group = k0 // 128
+        x = tl.load(x_rows + ks[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w_gate = w_gate.to(tl.float32)
+            w_up = w_up.to(tl.float32)
+        x_scale = tl.load(xs_rows + group * stride_xsg, mask=row_ok, other=0.0)[:, None]
+        g_scale = tl.load(gate_scales + group * stride_sg, mask=col_ok, other=0.0)[None, :]
+        u_scale = tl.load(up_scales + group * stride_sg, mask=col_ok, other=0.0)[None, :]
+        acc_gate += tl.dot(x, w_gate, out_dtype=tl.float32) * (x_scale * g_scale)
+        acc_up += tl.dot(x, w_up, out_dtype=tl.float32) * (x_scale * u_scale)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU-and-mul epilogue
+    out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_fp8_kernel(
+    a_ptr, as_ptr, w2_ptr, ws_ptr, slot_out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    num_slots, top_k, hidden_size, inter, num_m_blocks, num_n_tiles,
+    stride_as, stride_ai, stride_ass, stride_asg, stride_we, stride_wh, stride_wi,
+    stride_se, stride_sh, stride_sg, stride_os, stride_oh, stride_rt, stride_rk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    slot64 = slot.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    a_rows = a_ptr + slot64[:, None] * stride_as
+    as_rows = as_ptr + slot64 * stride_ass
+    w_cols = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wh
+    s_cols = ws_ptr + expert * stride_se + (cols // 128) * stride_sh
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        group = k0 // 128
+        a = tl.load(a_rows + ks[None, :] * stride_ai, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        a_scale = tl.load(as_rows + group * stride_asg, mask=row_ok, other=0.0)[:, None]
+        w_scale = tl.load(s_cols + group * stride_sg, mask=col_ok, other=0.0)[None, :]
+        acc += tl.dot(a, w, out_dtype=tl.float32) * (a_scale * w_scale)
+    route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
+    acc = acc * route_w.to(tl.float32)[:, None]
+    out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def launch_config(num_slots: int, num_experts: int, device) -> dict:
+    table = tile_config(TILES, device)
+    return dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
+
+
+def _fused_experts_fp8(
+    hidden: torch.Tensor, w13_q: torch.Tensor, w2_q: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+) -> torch.Tensor:
+    from graft.ops.moe_fp8 import quantize_act
+
+    num_tokens, hidden_size = hidden.shape
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    num_experts, inter = w13_q.shape[0], w13_q.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    num_slots = num_tokens * top_k
+    cfg = launch_config(num_slots, num_experts, hidden.device)
+    block_m, block_n, block_k, group_m = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
+    flags = dict(UPCAST=triton_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    with on_device(hidden.device):
+        sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
+        max_blocks = expert_ids.numel()
+        x_q, x_s = quantize_act(hidden, w13_q.dtype)
+        act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=hidden.device)
+        gate_n = block_n // 2
+        n_tiles = triton.cdiv(inter, gate_n)
+        _gate_up_fp8_kernel[(max_blocks * n_tiles,)](
+            x_q, x_s, w13_q, w13_scale, act, sorted_ids, expert_ids, post_pad,
+            num_slots, top_k, hidden_size, inter, max_blocks, n_tiles,
+            x_q.stride(0), x_q.stride(1), x_s.stride(0), x_s.stride(1),
+            w13_q.stride(0), w13_q.stride(1), w13_q.stride(2),
+            w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), act.stride(0), act.stride(1),
+            BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, GROUP_M=group_m, **flags,
+        )  # fmt: skip
+        a_q, a_s = quantize_act(act, w2_q.dtype)
+        slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+        n_tiles = triton.cdiv(hidden_size, block_n)
+        _down_fp8_kernel[(max_blocks * n_tiles,)](
+            a_q, a_s, w2_q, w2_scale, slot_out, topk_weights, sorted_ids, expert_ids, post_pad,
+            num_slots, top_k, hidden_size, inter, max_blocks, n_tiles,
+            a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
+            w2_q.stride(0), w2_q.stride(1), w2_q.stride(2), w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2),
+            slot_out.stride(0), slot_out.stride(1), topk_weights.stride(0), topk_weights.stride(1),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, **flags,
+        )  # fmt: skip
+        block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden_size))
+        _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+            slot_out, out, topk_ids, hidden_size, top_k, w13_q.shape[0], out.stride(0), out.stride(1),
+            topk_ids.stride(0), topk_ids.stride(1), BLOCK_H=block_h,
+        )
+    return out
+
+
+def _fused_experts_fp8_fake(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation):
+    return hidden.new_empty(hidden.shape)
+
+
+fused_experts_fp8_triton = define_op(custom_op_name(OP, "triton"), _fused_experts_fp8, fake=_fused_experts_fp8_fake)
+
+
+def _call(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation="silu"):
+    return fused_experts_fp8_triton(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation)
+
+
+def register(registry) -> None:
+    registry.add_impl(triton_implementation(
+        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES,
+        description="fp8 block-scaled grouped expert GEMMs (DeepSeek-V3 style), grouped tile order, ordered combine",
+    ))
+
+
+def _aot_variants():
+    """Per target: both GEMMs for the "large" and "small" tiles, bf16 activations; fp8 e4m3
+    is fp8e4nv on sm_90 and the fnuz fp8e4b8 on gfx942."""
+    fp8_type = {"sm_90": "*fp8e4nv", "gfx942": "*fp8e4b8"}
+    routing = dict(sorted_ptr="*i32", expert_ids_ptr="*i32", post_pad_ptr="*i32")
+    for target, table in per_target(TILES):
+        fp8 = fp8_type[target]
+        for size in ("large", "small"):
+            blocks, options = split_tiles(table[size])
+            flags = dict(UPCAST=False, BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"], GROUP_M=blocks["GROUP_M"])
+            yield variant(_gate_up_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer="*bf16",
+                          options=options, targets=(target,), x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
+                          **routing)
+            yield variant(_down_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer="*bf16", options=options,
+                          targets=(target,), a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
+                          slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+
+
+AOT_VARIANTS = list(_aot_variants())

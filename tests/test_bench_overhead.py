@@ -1,0 +1,48 @@
+"""``graft bench overhead``: the smallest slice (one op and Adam, in process) runs in seconds
+and writes the JSON the full run writes; bad section names are usage errors."""
+import json
+
+from graft.cli import main
+
+
+def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bench.json"
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")  # restored after the test (the bench sets it)
+    code = main(["bench", "overhead", "--quick", "--only", "ops,adam", "--ops", "fused.rms_norm", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "fused.rms_norm" in printed and "summary (with graft / without)" in printed
+    data = json.loads(out.read_text())
+    assert data["bench"] == "overhead" and data["quick"] is True and data["backends"] == "torch"
+    assert data["sections"] == ["ops", "adam"]
+    (row,) = data["ops"]
+    assert row["op"] == "fused.rms_norm" and row["backend"] == "torch"
+    for key in ("direct_us", "graft_us", "overhead_us"):
+        assert isinstance(row[key], float) and row[key] == row[key], (key, row)
+    assert row["direct_us"] > 0 and row["graft_us"] > 0
+    assert -row["direct_us"] < row["overhead_us"] < row["graft_us"] + row["direct_us"]
+    adam = data["adam"]
+    assert adam["numel"] == 65536 and adam["torch_us"] > 0 and adam["graft_us"] > 0
+    assert 0 < adam["ratio"] < 100 and 0 < adam["functional_ratio"] < 100
+    summary = data["summary"]
+    assert set(summary) == {"op_overhead_us", "adam_ratio"}
+    for entry in summary.values():
+        assert set(entry) >= {"worst", "target", "met"} and entry["met"] == (entry["worst"] <= entry["target"])
+
+
+def test_unknown_section_is_a_usage_error(fresh_graft, capsys):
+    assert main(["bench", "overhead", "--only", "opz"]) == 2
+    err = capsys.readouterr().err
+    assert "'opz'" in err and "ops, adam, collectives, deepspeed, megatron" in err
+
+
+def test_summary_flags_what_misses_its_target():
+    from graft.bench.overhead import summarize
+
+    summary = summarize({"ops": [{"op": "a", "overhead_us": 1.0}, {"op": "b", "overhead_us": 3.5}],
+                         "deepspeed": [{"run": "zero2", "ratio": 1.01}],
+                         "megatron": [{"tp": 2, "ratio": 1.2}],
+                         "collectives": [{"op": "collectives.all_reduce", "ratio": 1.05}]})
+    assert summary["op_overhead_us"] == {"worst": 3.5, "op": "b", "target": 2.0, "met": False}
+    assert summary["framework_step_ratio"]["step"] == "megatron TP2" and not summary["framework_step_ratio"]["met"]
+    assert summary["collectives_ratio"]["met"]
