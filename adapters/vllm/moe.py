@@ -34,8 +34,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.utils import is_weights_pre_processed
 
 from graft.adapters.vllm._registration import register_oot
-from graft.adapters.vllm.stats import fallback
-from graft.ops import moe
+from graft.adapters.vllm.stats import fallback, run
 
 # vLLM backends that leave w13/w2 in the checkpoint layout graft's op expects.
 STANDARD_LAYOUT_BACKENDS = (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.OOT)
@@ -93,8 +92,9 @@ class GraftUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if shared_experts is not None:
             # Runs them only where vLLM expects the kernel to (the runner does it otherwise).
             shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-        return moe.fused_experts(
-            x, layer.w13_weight, layer.w2_weight, topk_weights.float(), topk_ids.to(torch.int32), "silu"
+        return run(
+            "moe.fused_experts", x, layer.w13_weight, layer.w2_weight, topk_weights.float(),
+            topk_ids.to(torch.int32), "silu",
         )
 
     forward_cuda = forward_hip = forward_xpu = forward_cpu = forward_oot = forward_graft

@@ -55,17 +55,24 @@ def register() -> None:
         config.configure_logging()
         ok, why = INTEGRATION.status()
         if not ok:
-            unsupported = "outside the supported range" in why or "not a valid version" in why
-            log.log(
-                logging.WARNING if unsupported else logging.INFO,
-                "graft: vLLM integration not activated: %s%s",
-                why,
-                " (graft kernels stay out of vLLM; vLLM runs unchanged)" if unsupported else "",
-            )
+            _warn_off_once(why)
             return
         activate()
     except Exception as exc:  # a graft problem must not take vLLM down
         log.warning("graft: vLLM integration failed to activate, vLLM runs unchanged: %s: %s", type(exc).__name__, exc)
+
+
+_warned_off = False
+
+
+def _warn_off_once(why: str) -> None:
+    # vLLM is importable here (it is calling us): a user who installed graft expects it in,
+    # so staying out is said at WARNING, once per process.
+    global _warned_off
+    if _warned_off:
+        return
+    _warned_off = True
+    log.warning("graft: vLLM integration not activated: %s; graft kernels stay out of vLLM, vLLM runs unchanged", why)
 
 
 def activate() -> dict:
