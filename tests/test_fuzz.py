@@ -1,0 +1,182 @@
+"""Hostile inputs through every op's public entry point, on every backend that runs here,
+with value checks on and off.
+
+Each op's inputs start from its quick conformance cases and are then mutated: non-contiguous
+copies, index tensors holding -1 or a huge value, NaN/inf scalars, NaN/inf tensor values, a
+wrong dtype, a wrong last dimension. Every outcome must be a clear GraftError (GraftInputError
+for bad input) or the torch reference's result (within the conformance tolerance; NaN/inf at
+the same places): never a crash, another exception, or a different number.
+
+Each op runs in a child process, so a segfault or abort fails that test (naming the last
+case started) instead of killing the run. Mutations of values run with GRAFT_CHECK_VALUES=1
+and =0; the others (shapes, dtypes, strides) do not depend on value checks and run once. Collectives are fuzzed in
+tests/test_collectives.py (they need a process group).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+CASES_PER_OP = 1  # the smallest quick case: the interpreter is slow
+TIMEOUT_S = 240
+
+
+def _ops() -> list:
+    from graft.ops import all_op_specs
+
+    return sorted(s.name for s in all_op_specs() if not s.name.startswith("collectives."))
+
+
+@pytest.mark.parametrize("op", _ops())
+def test_hostile_inputs(op):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    env.update(TRITON_INTERPRET="1", PYTHONFAULTHANDLER="1")
+    proc = subprocess.run([sys.executable, HERE, op], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    started = [r["case"] for r in lines if r.get("started")]
+    results = [r for r in lines if "outcome" in r]
+    assert proc.returncode == 0, (
+        f"{op}: child died with rc {proc.returncode} during "
+        f"{started[-1] if started else 'start-up'}:\n{proc.stderr[-3000:]}"
+    )
+    bad = [r for r in results if r["outcome"] not in ("error", "match")]
+    assert results, f"{op}: no case ran\n{proc.stderr[-2000:]}"
+    assert not bad, f"{op}: " + "\n".join(
+        f"{r['case']}: {r['outcome']}: {r['detail']}" for r in bad)
+
+
+# ------------------------------------------------------------------------------ the child
+
+
+def _mutations(args, kwargs):
+    """(label, args, kwargs, reads_values) variants of one valid input; ``reads_values``: the
+    mutation is of values (run with value checks on and off)."""
+    import torch
+
+    yield "valid", args, kwargs, False
+    items = list(enumerate(args))
+
+    def replaced(i, value):
+        new = list(args)
+        new[i] = value
+        return tuple(new)
+
+    def strided(t):
+        base = t.new_empty(tuple(t.shape) + (2,))
+        view = base[..., 0]
+        view.copy_(t)
+        return view
+
+    tensors = [(i, a) for i, a in items if isinstance(a, torch.Tensor)]
+    first_float = next((i for i, a in tensors if a.dtype.is_floating_point), None)
+    if any(t.numel() > 1 for _, t in tensors):
+        yield "noncontiguous", tuple(strided(a) if isinstance(a, torch.Tensor) and a.numel() > 1 else a
+                                     for a in args), kwargs, False
+    for i, t in tensors:
+        if t.numel() == 0:
+            continue
+        if not t.dtype.is_floating_point and t.dtype != torch.bool:
+            for label, value in (("-1", -1), ("huge", min(10**6, torch.iinfo(t.dtype).max))):
+                bad = t.clone()
+                bad.view(-1)[0] = value
+                yield f"arg{i}[0]={label}", replaced(i, bad), kwargs, True
+        elif t.dtype.is_floating_point:
+            # NaN/inf in the first float tensor only (each such run executes the kernel)
+            specials = (("nan", math.nan), ("inf", math.inf)) if i == first_float else ()
+            for label, value in specials:
+                bad = t.clone()
+                bad.view(-1)[t.numel() // 2] = value
+                yield f"arg{i}[mid]={label}", replaced(i, bad), kwargs, False
+            yield f"arg{i}.float64", replaced(i, t.double()), kwargs, False
+        if t.dim() >= 1 and t.shape[-1] > 1:
+            yield f"arg{i}[..., :-1]", replaced(i, t[..., :-1]), kwargs, False
+    for i, a in items:
+        if isinstance(a, float):
+            for label, value in (("nan", math.nan), ("inf", math.inf), ("-1", -1.0)):
+                yield f"arg{i}={label}", replaced(i, value), kwargs, False
+        elif isinstance(a, int) and not isinstance(a, bool):
+            yield f"arg{i}=-1", replaced(i, -1), kwargs, False
+            yield f"arg{i}=huge", replaced(i, 2**40), kwargs, False
+
+
+def _outcome(run, reference, case, args, kwargs):
+    """('error' | 'match' | 'mismatch' | 'exception', detail)."""
+    import torch
+
+    from graft.conformance.compare import compare
+    from graft.conformance.tolerances import tolerance_for
+    from graft.errors import GraftError
+
+    try:
+        got = run()
+    except GraftError as exc:
+        return "error", f"{type(exc).__name__}: {str(exc)[:200]}"
+    except Exception as exc:  # noqa: BLE001 - anything else is a finding
+        return "exception", f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        want = reference()
+    except Exception as exc:  # noqa: BLE001
+        return "exception", f"the op returned a result but its reference raised {type(exc).__name__}: {exc}"
+    if case.normalize is not None:
+        got, want = case.normalize(got), case.normalize(want)
+    key = next((a for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point), None)
+    dtype = key.dtype if key is not None else torch.float32
+    reduction = None
+    if case.reduction is not None:
+        try:
+            reduction = int(case.reduction(args, kwargs))
+        except Exception:  # noqa: BLE001 - a mutated shape may not fit the case's formula
+            reduction = None
+    result = compare(got, want, lambda d: tolerance_for(d, reduction_len=reduction, atol=case.atol,
+                                                        rtol=case.rtol, compute_dtype=dtype))
+    return ("match", "") if result.ok else ("mismatch", result.describe()[:400])
+
+
+def _child(op: str) -> None:
+    import torch
+
+    import graft
+    from graft.config import op_env_var
+    from graft.conformance.cases import all_cases
+    from graft.plugins import get_host
+
+    host = get_host()
+    registry = host.registry
+    spec = registry.op(op)
+    cases = [c for c in all_cases(host, registry) if c.op == op and "quick" in c.tags]
+    sized = []
+    for case in cases:
+        args, kwargs = case.inputs("cpu", torch.float32 if torch.float32 in case.dtypes else case.dtypes[0])
+        size = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+        sized.append((size, case.name, case))
+    chosen = [c for _, _, c in sorted(sized, key=lambda s: s[:2])[:CASES_PER_OP]]
+    backends = sorted({i.backend for i in registry.impls[op]
+                       if i.static_reason("cpu", None, "cpu") is None})
+    for case in chosen:
+        dtype = torch.float32 if torch.float32 in case.dtypes else case.dtypes[0]
+        args, kwargs = case.inputs("cpu", dtype)
+        for label, m_args, m_kwargs, reads_values in _mutations(args, kwargs):
+            for backend, checks in [(b, c) for b in backends for c in (("1", "0") if reads_values else ("1",))]:
+                name = f"{case.id} {label} backend={backend} GRAFT_CHECK_VALUES={checks}"
+                print(json.dumps({"case": name, "started": True}), flush=True)
+                with graft.override_config({op_env_var(op): backend, "GRAFT_CHECK_VALUES": checks}):
+                    def run():
+                        return graft.call(op, *[a.clone() if isinstance(a, torch.Tensor) else a for a in m_args],
+                                          **m_kwargs)
+
+                    def reference():
+                        return spec.reference(*[a.clone() if isinstance(a, torch.Tensor) else a for a in m_args],
+                                              **m_kwargs)
+
+                    outcome, detail = _outcome(run, reference, case, m_args, m_kwargs)
+                print(json.dumps({"case": name, "outcome": outcome, "detail": detail}), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
