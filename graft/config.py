@@ -178,15 +178,23 @@ _listeners: list = []
 
 
 def _read_environ() -> dict:
-    """The non-empty GRAFT_* variables of os.environ, read safely while other threads change it."""
-    for _ in range(100):
+    """The non-empty GRAFT_* variables of os.environ, read safely while other threads change it.
+
+    Iterating os.environ looks each key up again after listing it, so another thread's
+    unsetenv in between raises KeyError; copying its underlying dict is one step under the
+    GIL. (Other Python implementations: retry the plain read.)
+    """
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        snapshot = data.copy()
+        decode = os.environ.decodekey, os.environ.decodevalue
+        pairs = ((decode[0](k), decode[1](v)) for k, v in snapshot.items())
+        return {k: v for k, v in pairs if k.startswith("GRAFT_") and v.strip()}
+    while True:  # pragma: no cover - CPython takes the branch above
         try:
-            # os.environ iterates its keys and then looks each one up: another thread's
-            # unsetenv in between raises KeyError (or RuntimeError for a resize). Retry.
             return {k: v for k, v in os.environ.items() if k.startswith("GRAFT_") and v.strip()}
         except (KeyError, RuntimeError):
             continue
-    return {k: v for k, v in os.environ.copy().items() if k.startswith("GRAFT_") and v.strip()}
 
 
 def current() -> Snapshot:

@@ -157,13 +157,15 @@ def test_megatron_patch_rms_norm_trains(tmp_path):
 
     from graft.patches.templates import megatron
 
-    (change,) = megatron._changes()
+    change = next(c for c in megatron._changes() if c.path == megatron.MODULE_PATH)
     path = tmp_path / "fused_rms_norm_triton.py"
     path.write_text(change.content)
     spec = importlib.util.spec_from_file_location("patched_rms_norm", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    norm = module.TritonRMSNorm(types.SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), 48, 1e-5)
+    config = types.SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False,
+                                   layernorm_zero_centered_gamma=False, use_cpu_initialization=True)
+    norm = module.TritonRMSNorm(config, 48, 1e-5)
     with torch.no_grad():
         norm.weight.add_(0.1 * torch.randn(48))
     x = torch.randn(5, 3, 48, requires_grad=True)

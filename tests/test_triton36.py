@@ -31,6 +31,15 @@ SUBSET = [
     ("tests/test_fused.py::test_triton_rotary_views_int32_positions_and_no_k", "fused_rotary"),
     ("tests/test_fused.py::test_triton_silu_and_mul[(1, 2)-torch.float16]", "fused_activation"),
     ("tests/test_optim_adam.py::test_several_tensors_over_several_steps", "optim_adam"),
+    ("tests/test_gemm_fp8.py::test_fp8_dispatch_and_custom_op", "gemm_fp8"),
+    ("tests/test_moe_fp8.py::test_close_to_the_unquantized_moe", "moe_fused_fp8"),
+    # the backwards (and the fused loss): the gradient check of each op's first case
+    ("tests/test_training.py::test_gradient_conformance_first_case[attention.prefill]", "attention_prefill_backward"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[fused.layer_norm]", "fused_layer_norm"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[gemm.linear]", "gemm_dense_backward"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[moe.fused_experts]", "moe_fused_backward"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[loss.fused_linear_cross_entropy]",
+     "loss_fused_linear_cross_entropy"),
 ]
 pytestmark = pytest.mark.timeout(1800)  # a first run installs Triton 3.6; interpreted kernels on 2 cores
 

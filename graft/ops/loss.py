@@ -15,7 +15,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_tensor
+from graft.ops._validate import can_read_values, check_same_device, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,6 +26,10 @@ def fused_linear_cross_entropy_reference(x, weight, target, bias=None, ignore_in
     logits = x.float() @ weight.float().t()
     if bias is not None:
         logits = logits + bias.float()
+    # A target outside [0, V) (only reachable with the value checks off) counts as ignored.
+    vocab = weight.shape[0]
+    ignored = (target == ignore_index) | (target < 0) | (target >= vocab)
+    target = torch.where(ignored, torch.full_like(target, ignore_index), target)
     return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
 
 
@@ -47,6 +51,12 @@ def validate_fused_linear_cross_entropy(x, weight, target, bias=None, ignore_ind
     if reduction not in REDUCTIONS:
         raise GraftInputError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     check_same_device(x=x, weight=weight, target=target, bias=bias)
+    if can_read_values(target):
+        vocab = weight.shape[0]
+        bad = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
+        if bad.numel():
+            raise GraftInputError(f"{op}: targets must lie in [0, V={vocab}) or equal ignore_index={ignore_index}, "
+                                  f"got {int(bad[0])} ({bad.numel()} such targets)")
 
 
 def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean"):

@@ -216,7 +216,9 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
         return out.zero_()
     block_d = head_dim_block(head_dim)
     cfg = _tiles(q.device, block_d, q.dtype)
-    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)
+    # No sequence is longer than the packed rows (cu_seqlens are clamped to them): an
+    # overstated max_seqlen_q must not size an enormous grid.
+    grid = (triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]), batch, num_heads)
     with on_device(q):
         _prefill_kernel[grid](
             q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0],

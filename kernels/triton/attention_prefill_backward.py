@@ -202,12 +202,13 @@ def _prefill_bwd(
     common = dict(GROUP=num_heads // k.shape[1], CAUSAL=causal, BLOCK_D=block_d, **dot_flags(q.dtype, q.device), **cfg)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride())
     with on_device(q):
-        _dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), batch, k.shape[1])](
+        # grids bounded by the packed rows, as in the forward
+        _dkdv_kernel[(triton.cdiv(min(max_seqlen_k, k.shape[0]), cfg["BLOCK_N"]), batch, k.shape[1])](
             q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], *strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse.stride(0), softmax_scale * LOG2E, softmax_scale, head_dim, **common,
         )
-        _dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), batch, num_heads)](
+        _dq_kernel[(triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]), batch, num_heads)](
             q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], *strides,
             dq.stride(0), dq.stride(1),
             lse.stride(0), softmax_scale * LOG2E, softmax_scale, head_dim, **common,

@@ -48,7 +48,9 @@ def _ce_rows_kernel(logits_ptr, target_ptr, loss_ptr, scale_ptr, V, stride, igno
         m = m_new
     m_row = tl.max(m, axis=0)
     lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-    valid = target != ignore_index
+    # A target outside [0, V) (value checks off) counts as ignored, as in the reference: never
+    # read out of the row.
+    valid = (target != ignore_index) & (target >= 0) & (target < V)
     z_t = tl.load(base + tl.where(valid, target, 0)).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - z_t, 0.0))
     g = tl.where(valid, tl.load(scale_ptr), 0.0)
@@ -72,7 +74,8 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
     vocab = weight.shape[0]
     cfg = tile_config(TILES, x.device)
     losses = torch.zeros(tokens, dtype=torch.float32, device=x.device)
-    valid = (target != ignore_index).sum().to(torch.float32)  # on the device: no host sync
+    # on the device: no host sync; targets outside [0, V) count as ignored (see the kernel)
+    valid = ((target != ignore_index) & (target >= 0) & (target < vocab)).sum().to(torch.float32)
     scale = (1.0 / valid if reduction == "mean" else torch.ones((), device=x.device)).reshape(1)
     dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if compute_grad else None
