@@ -16,7 +16,7 @@ def register_package(package_name: str, registry) -> list:
     dependency, say) is reported and skipped so the other kernels still register.
     """
     package = importlib.import_module(package_name)
-    outcomes = []
+    outcomes: list[tuple[str, str | None]] = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue

@@ -13,7 +13,7 @@ MULTI_PROCESS_FAMILIES = {"collectives": "needs multi-process; see python -m gra
 def builtin_cases() -> list:
     from graft.ops import family_modules
 
-    cases = []
+    cases: list = []
     for module in family_modules():
         cases.extend(getattr(module, "CASES", ()))
     return cases

@@ -47,13 +47,13 @@ def no_backward_reason(impl) -> str | None:
 
 def _mark(op: str, args: tuple) -> tuple[list, list]:
     """Mark the op's differentiable inputs; returns (args with them, [(name, tensor)])."""
-    args = list(args)
+    marked_args = list(args)
     marked = []
     for i in GRAD_INPUTS[op]:
-        if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].is_floating_point():
-            args[i] = args[i].detach().requires_grad_(True)
-            marked.append((i, args[i]))
-    return args, marked
+        if i < len(marked_args) and isinstance(marked_args[i], torch.Tensor) and marked_args[i].is_floating_point():
+            marked_args[i] = marked_args[i].detach().requires_grad_(True)
+            marked.append((i, marked_args[i]))
+    return marked_args, marked
 
 
 def _cotangents(outputs: list, seed: int) -> list:
@@ -77,7 +77,7 @@ def _grads(fn, op, args, kwargs, normalize, seed):
 def run_grad(impl, spec, case, make, dtype: torch.dtype, device_type: str, seed: int) -> dict:
     """The ``grad`` entry of one implementation on one (case, dtype)."""
     dtype_name = str(dtype).replace("torch.", "")
-    result = {"status": PASS, "reason": None, "message": None, "inputs": {}}
+    result: dict = {"status": PASS, "reason": None, "message": None, "inputs": {}}
     reason = no_backward_reason(impl)
     if reason:
         result["status"], result["reason"] = SKIPPED, reason

@@ -19,6 +19,7 @@ import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -64,6 +65,10 @@ class Options:
             repeats=self.repeats if self.repeats is not None else (25 if cuda else 5),
         )
 
+
+
+def _constant(timing: Timing) -> Callable[[], Timing]:
+    return lambda: timing
 
 @dataclass
 class ImplResult:
@@ -293,7 +298,7 @@ class Runner:
 
         # The reference is timed only once something is to be compared with it (on a CPU with
         # interpreted kernels and no applicable upstream baseline, nothing is).
-        ref_cache = []
+        ref_cache: list[Timing] = []
 
         def ref_timing():
             if not ref_cache:
@@ -301,13 +306,13 @@ class Runner:
                 result.reference_timing = ref_cache[0].as_dict()
             return ref_cache[0]
 
-        baseline_timings = {baselines_mod.REFERENCE: ref_timing}
+        baseline_timings: dict[str, Callable[[], Timing]] = {baselines_mod.REFERENCE: ref_timing}
         for baseline in baselines_mod.baselines_for(case.op, self.options.upstream):
             b = self._run_baseline(baseline, make, expected, tol, ref_timing)
             result.baselines.append(b)
             if b.timing is not None:
                 timing = Timing(**{k: v for k, v in b.timing.items() if k != "iqr_rel"})
-                baseline_timings[b.name] = lambda t=timing: t
+                baseline_timings[b.name] = _constant(timing)
 
         for impl in self.impls_for(case.op) if impls is None else impls:
             r = self._run_impl(impl, case, dtype, make, expected, tol, key_dtype, arch, baseline_timings)
@@ -326,9 +331,9 @@ class Runner:
         name = f"{impl.backend} ({impl.provider})" if impl.provider else impl.backend
         return name, impl
 
-    def _time(self, fn, make_args) -> Timing | None:
-        o = self.options
-        return time_call(fn, make_args, self.device, warmup=o.warmup, repeats=o.repeats)
+    def _time(self, fn, make_args) -> Timing:
+        o = self.options  # resolved in __init__: warmup and repeats are set
+        return time_call(fn, make_args, self.device, warmup=int(o.warmup or 0), repeats=int(o.repeats or 1))
 
     def _run_baseline(self, baseline, make, expected, tol, ref_timing) -> BaselineResult:
         args, kwargs = make()

@@ -158,6 +158,6 @@ def grad_tolerance_for(grad_dtype: torch.dtype, *, reduction_len: int | None = N
     """The bound for one input's gradient of ``op`` (see the reasoning above)."""
     base = tolerance_for(grad_dtype, reduction_len=reduction_len, device_type=device_type,
                          compute_dtype=compute_dtype)
-    factor = _GRAD_OP_FACTOR.get(op, {}).get(compute_dtype or grad_dtype, _GRAD_FACTOR)
+    factor = _GRAD_OP_FACTOR.get(op or "", {}).get(compute_dtype or grad_dtype, _GRAD_FACTOR)
     return Tolerance(atol=base.atol * factor, rtol=base.rtol * factor,
                      rule=f"gradient: {factor:g}x ({base.rule})", atol_is_absolute=base.atol_is_absolute)

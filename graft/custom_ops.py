@@ -12,7 +12,7 @@ infers the schema from the annotations).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ def define_op(
     fn: Callable,
     fake: Callable,
     mutates_args: Iterable[str] = (),
-    device_types: str | Iterable[str] | None = None,
+    device_types: str | Sequence[str] | None = None,
 ):
     """Register ``fn`` as ``torch.ops.graft.<name>`` with fake impl ``fake``; returns the op."""
     qualname = f"{NAMESPACE}::{name}"

@@ -9,6 +9,8 @@ advertised through the ``graft.adapters`` entry-point group::
 All hooks are optional. Hooks are called in pluggy's order (last registered first;
 ``tryfirst``/``trylast`` adjust it).
 """
+# mypy: disable-error-code="empty-body"
+# (hook specifications are signatures only: pluggy never runs their bodies)
 from __future__ import annotations
 
 import pluggy

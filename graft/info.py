@@ -42,7 +42,7 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
     wanted = ops or sorted(registry.ops)
     for name in wanted:
         registry.op(name)  # unknown op -> clear error
-    report = {
+    report: dict = {
         "graft_version": __version__,
         "torch_version": torch.__version__,
         "device": info.as_dict(),

@@ -231,7 +231,7 @@ class PluginHost:
 
     def collect(self, hook_name: str, **kwargs) -> list:
         """Flatten list-returning hooks (integrations, conformance cases, patch templates)."""
-        items = []
+        items: list = []
         for _, result in self.call_each(hook_name, **kwargs):
             items.extend(result or [])
         return items

@@ -121,7 +121,7 @@ class Registry:
     ops: dict = field(default_factory=dict)  # name -> OpSpec
     impls: dict = field(default_factory=dict)  # op name -> list[Implementation]
     # (device_type, arch) -> default backend priority, or None for graft's default.
-    default_priority: object = None
+    default_priority: Callable[[str, str | None], tuple | list | None] | None = None
 
     def add_op(self, spec: OpSpec) -> OpSpec:
         existing = self.ops.get(spec.name)

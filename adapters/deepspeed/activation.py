@@ -37,6 +37,11 @@ _undo: list = []
 _active = False
 
 
+def _restore(records) -> None:
+    for module, name, original in records:
+        setattr(module, name, original)
+
+
 def integration() -> FrameworkIntegration:
     return FrameworkIntegration(
         name="deepspeed",
@@ -109,7 +114,7 @@ def activate() -> bool:
             _undo.append(lambda: set_accelerator(current))
             served = {n: b for n, b in op_builders.BUILDERS.items() if wrapped.graft_serves(n)}
             records = _rebind_builders(current, served)
-            _undo.append(lambda: [setattr(m, n, original) for m, n, original in records])
+            _undo.append(lambda: _restore(records))
         _undo.append(comm.install())
         _active = True
         log.info("graft's DeepSpeed integration is active (accelerator %s, builders %s, comm routed)",

@@ -23,5 +23,5 @@ def register_oot(in_tree_cls: type, graft_cls: type) -> str:
     # name ("rms_norm") so vLLM's custom_ops switches (-rms_norm / +rms_norm) still apply.
     in_tree_name = getattr(in_tree_cls, "name", None)
     if in_tree_name:
-        graft_cls.name = in_tree_name
+        setattr(graft_cls, "name", in_tree_name)  # a class attribute vLLM declares on CustomOp
     return "registered"

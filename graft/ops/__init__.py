@@ -18,7 +18,7 @@ def family_modules():
 
 
 def all_op_specs() -> list:
-    specs = []
+    specs: list = []
     for module in family_modules():
         specs.extend(getattr(module, "OPS", ()))
     return specs

@@ -43,6 +43,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 # Target name -> (Triton backend, arch, warp size), and the tile-table family tuned for it.
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
@@ -62,7 +63,7 @@ UNALIGNED_INT = 4097  # ... for the unaligned specialisation (not 1, not a multi
 
 @dataclass
 class AotVariant:
-    kernel: object  # the @triton.jit function
+    kernel: Any  # the @triton.jit function (triton is not analysed by the type checker)
     constexprs: dict
     types: dict = field(default_factory=dict)  # argument name -> Triton type, see signature()
     pointer: str = "*fp16"  # type of every pointer argument not named in ``types``
@@ -455,6 +456,7 @@ def main(argv=None) -> int:
     if args.update_cache:  # keep the entries of today's full set (stale ones go)
         wanted = {variant_key(v, t, True) for t, v in variants(targets)}
         wanted |= {variant_key(v, t, False) for t, v in variants(targets, quick=True)}
+        assert cache is not None  # loaded above whenever --update-cache is given
         save_cache({k: e for k, e in cache.items() if k in wanted or e["target"] not in targets})
     for problem in problems:
         print("FAILED", problem)

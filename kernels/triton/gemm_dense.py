@@ -157,7 +157,7 @@ def aot_plans(target: str, dtype: torch.dtype):
     """The distinct (tile constexprs, SPLIT_K > 1, options) the dispatcher launches on
     ``target`` for ``dtype`` over AOT_SHAPES x AOT_MS."""
     family = FAMILY[target]
-    seen = {}
+    seen: dict = {}
     for m in AOT_MS:
         for n, k in AOT_SHAPES:
             cfg = plan(m, n, k, dtype, "cuda", family=family, sms=SM_COUNT[family])

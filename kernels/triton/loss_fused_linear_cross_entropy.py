@@ -96,7 +96,7 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
     total = losses.sum()
     loss = total / valid if reduction == "mean" else total
     return (loss, dx, dw.to(weight.dtype) if dw is not None else weight.new_empty(0),
-            db.to(bias.dtype) if db is not None else x.new_empty(0))
+            db.to(bias.dtype) if db is not None and bias is not None else x.new_empty(0))
 
 
 def _flce_fake(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
