@@ -59,3 +59,9 @@ def graft_conformance_cases(registry) -> list:
 @hookspec
 def graft_patch_templates() -> list:
     """Return upstream-contribution patch templates (see ``graft.patches``)."""
+
+
+@hookspec
+def graft_upstream_projects() -> list:
+    """Return :class:`graft.patches.projects.Project` objects: how to recognise an upstream
+    source tree and its version, and the linters its contributions must pass."""

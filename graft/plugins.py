@@ -298,3 +298,31 @@ def reset() -> None:
         _host = None
     config.reload()
     selection.reset_caches()
+
+
+def register_kernel_modules(package_name: str, registry) -> list:
+    """Call ``register(registry)`` of every public module of a backend's package (its
+    ``plugin`` module, which holds the hooks, excepted); returns ``[(module, error or None)]``.
+
+    A module that fails to import (a missing dependency, say) is logged and skipped so the
+    backend's other kernels still register.
+    """
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module(package_name)
+    outcomes: list[tuple[str, str | None]] = []
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "plugin":
+            continue
+        name = f"{package_name}.{info.name}"
+        try:
+            module = importlib.import_module(name)
+            register = getattr(module, "register", None)
+            if register is not None:
+                register(registry)
+            outcomes.append((name, None))
+        except Exception as exc:
+            log.warning("kernel module %s not registered: %s: %s", name, type(exc).__name__, exc)
+            outcomes.append((name, f"{type(exc).__name__}: {exc}"))
+    return outcomes

@@ -4,14 +4,12 @@ from __future__ import annotations
 import sys
 import warnings
 
-from graft.patches.versions import FRAMEWORKS
-
 
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="patches_command", metavar="ACTION")
     sub.add_parser("list", help="list the installed patch templates")
     gen = sub.add_parser("generate", help="write git format-patch files for a framework's source tree")
-    gen.add_argument("framework", choices=FRAMEWORKS)
+    gen.add_argument("framework", help="the upstream project (vllm, deepspeed, megatron or one a plugin adds)")
     gen.add_argument("--source", required=True, help="upstream checkout (or unpacked sdist) to patch")
     gen.add_argument("--out", required=True, help="directory for the .patch files")
     gen.add_argument("--upstream-version", help="the source's version, when it cannot be read from the tree")

@@ -1,4 +1,4 @@
-"""What each upstream project expects of a contribution: title tag, DCO, and its own
+"""What an upstream project expects of a contribution: title tag, DCO, and its own
 linters and formatters with the versions its pre-commit configuration pins.
 
 Linter versions are taken from each project's ``.pre-commit-config.yaml`` at the
@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from graft.patches.template import PatchError
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,8 @@ class Tool:
 @dataclass(frozen=True)
 class Project:
     framework: str
+    marker: str  # directory (relative to the source root) that marks a tree of this project
+    detect_version: Callable[[Path], str | None]  # the version of a source tree, or None
     title_tag: str  # prefix of commit subjects, e.g. "[Kernel]"; "" for none
     dco: bool  # the project requires Signed-off-by (Developer Certificate of Origin)
     packages: tuple  # pinned pip requirements of the linters
@@ -43,37 +49,15 @@ class Project:
         return out
 
 
-PROJECTS = {
-    # vLLM: ruff v0.14.0 (.pre-commit-config.yaml), configured in pyproject.toml; DCO check on PRs;
-    # PR titles carry a category tag (CONTRIBUTING: [Kernel], [Core], [Bugfix], ...).
-    "vllm": Project(
-        framework="vllm", title_tag="[Kernel]", dco=True, packages=("ruff==0.14.0",),
-        tools=(
-            Tool("ruff check", ("ruff", "check", "--no-cache"), ("ruff", "check", "--no-cache", "--fix")),
-            Tool("ruff format", ("ruff", "format", "--no-cache", "--check", "--diff"),
-                 ("ruff", "format", "--no-cache")),
-        )),
-    # DeepSpeed: yapf v0.40.0 with .style.yapf and flake8 5.0.4 with .flake8; DCO required.
-    "deepspeed": Project(
-        framework="deepspeed", title_tag="", dco=True, packages=("yapf==0.40.0", "flake8==5.0.4"),
-        tools=(
-            Tool("yapf", ("yapf", "--diff", "--style", ".style.yapf"), ("yapf", "-i", "--style", ".style.yapf")),
-            Tool("flake8", ("flake8", "--config=.flake8")),
-        )),
-    # Megatron-LM: black 24.4.2 / isort 5.13.2 / pylint 3.2.6 (.pre-commit-config.yaml, pyproject.toml,
-    # .pylintrc); pylint and isort cover megatron/core only, black also tests/unit_tests.
-    "megatron": Project(
-        framework="megatron", title_tag="", dco=False,
-        packages=("black==24.4.2", "isort==5.13.2", "pylint==3.2.6"),
-        tools=(
-            Tool("black", ("black", "--check", "--diff", "--skip-magic-trailing-comma", "--skip-string-normalization"),
-                 ("black", "-q", "--skip-magic-trailing-comma", "--skip-string-normalization"),
-                 files=r"^(megatron/core/|tests/unit_tests/).*\.py$"),
-            Tool("isort", ("isort", "--check-only", "--diff"), ("isort", "-q"), files=r"^megatron/core/.*\.py$"),
-            Tool("pylint", ("pylint", "--rcfile=.pylintrc", "--score=n"), files=r"^megatron/core/.*\.py$"),
-        )),
-}
+def projects() -> dict:
+    """framework name -> Project, from every adapter's ``graft_upstream_projects`` hook."""
+    from graft.plugins import get_host
+
+    return {p.framework: p for p in get_host().collect("graft_upstream_projects")}
 
 
 def project(framework: str) -> Project:
-    return PROJECTS[framework]
+    found = projects()
+    if framework not in found:
+        raise PatchError(f"unknown framework {framework!r}; choose one of: {', '.join(sorted(found)) or '(none installed)'}")
+    return found[framework]

@@ -33,7 +33,7 @@ def test_single_top_level_namespace(wheel):
 def test_entry_points_declared(wheel):
     (ep,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = wheel.read(ep).decode()
-    assert "[graft.adapters]" in text and "torch = graft.adapters.torch_reference" in text
+    assert "[graft.adapters]" in text and "torch = graft.kernels.torch.plugin" in text
     assert "[vllm.general_plugins]" in text and "[console_scripts]" in text
 
 

@@ -155,7 +155,7 @@ def test_megatron_patch_rms_norm_trains(tmp_path):
     import importlib.util
     import types
 
-    from graft.patches.templates import megatron
+    from graft.adapters.megatron import patch as megatron
 
     change = next(c for c in megatron._changes() if c.path == megatron.MODULE_PATH)
     path = tmp_path / "fused_rms_norm_triton.py"

@@ -16,3 +16,17 @@ def graft_framework_integrations():
     from graft.adapters.megatron.activation import integration
 
     return [integration()]
+
+
+@hookimpl
+def graft_patch_templates():
+    from graft.adapters.megatron import patch
+
+    return patch.templates()
+
+
+@hookimpl
+def graft_upstream_projects():
+    from graft.adapters.megatron import patch
+
+    return [patch.PROJECT]

@@ -55,3 +55,17 @@ def graft_adapter_info():
 @hookimpl
 def graft_framework_integrations():
     return [INTEGRATION]
+
+
+@hookimpl
+def graft_patch_templates():
+    from graft.adapters.vllm import patch
+
+    return patch.templates()
+
+
+@hookimpl
+def graft_upstream_projects():
+    from graft.adapters.vllm import patch
+
+    return [patch.PROJECT]

@@ -152,15 +152,15 @@ def adam_step_torch(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, ste
     return p, m, v
 
 
-def torch_implementation():
+def torch_implementations() -> list:
     """The ``torch`` backend of fused.adam_step (ranks above the plain reference)."""
     from graft.registry import Implementation
 
-    return Implementation(
+    return [Implementation(
         op=OP, backend="torch", fn=adam_step_torch, provider="graft",
         description="torch._fused_adam(w)_ (what torch.optim.Adam(fused=True) runs); reference otherwise",
         devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
-    )
+    )]
 
 
 # ---------------------------------------------------------------------------- in place, many tensors

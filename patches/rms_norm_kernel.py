@@ -9,6 +9,7 @@ The project's own formatter restyles all of it at generation time.
 from __future__ import annotations
 
 from graft.patches.kernel_source import function_source
+from graft.patches.template import PatchTemplate
 
 KERNEL_MODULE = "graft.kernels.triton.fused_norm"
 KERNEL_NAME = "_rms_norm_kernel"
@@ -60,3 +61,11 @@ sum. It runs on NVIDIA and AMD GPUs through Triton, with no extension build."""
 REMOVAL = ("once a release carries this, graft's own {what} for {framework} checks for it and "
            "defers to it; the adapter code is then deleted when graft's minimum {framework} version "
            "includes that release.")
+
+
+def rms_norm_template(*, framework_title: str, what: str, body: str, **fields) -> PatchTemplate:
+    """A patch carrying graft's Triton RMSNorm: the shared explanation goes before ``body``,
+    the shared removal plan into ``retire``; ``fields`` are the framework's own."""
+    return PatchTemplate(body=HOW + "\n\n" + body, ops=("fused.rms_norm",),
+                         retire=REMOVAL.format(what=what, framework=framework_title), **fields)
+

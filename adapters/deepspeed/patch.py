@@ -14,8 +14,13 @@ Upstream: not submitted yet. Removal plan: see ``retire``.
 """
 from __future__ import annotations
 
-from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceText
-from graft.patches.templates import _rms_norm
+import re
+from pathlib import Path
+
+from graft.patches import rms_norm_kernel as _rms_norm
+from graft.patches.projects import Project, Tool
+from graft.patches.template import CreateFile, InsertAfter, ReplaceText
+from graft.patches.versions import git_tag_version
 
 MODULE_PATH = "deepspeed/ops/transformer/inference/triton/rms_norm.py"
 INIT_PATH = "deepspeed/ops/transformer/inference/triton/__init__.py"
@@ -183,7 +188,9 @@ def _changes() -> list:
 
 def templates() -> list:
     return [
-        PatchTemplate(
+        _rms_norm.rms_norm_template(
+            framework_title="DeepSpeed",
+            what="RMSNorm override in graft.adapters.deepspeed",
             name="deepspeed-triton-rms-norm",
             framework="deepspeed",
             supported=">=0.19,<0.20",
@@ -193,9 +200,7 @@ With config.use_triton, DeepSpeed-Inference runs layer_norm, GELU,
 softmax and the GEMMs through Triton, but RMSNormOp and PreRMSNormOp
 (Llama-style models) still need the compiled InferenceBuilder kernel or
 fall back to unfused torch code. This adds the missing Triton branch.""",
-            body=_rms_norm.HOW + """
-
-- deepspeed/ops/transformer/inference/triton/rms_norm.py: the kernel, as
+            body="""- deepspeed/ops/transformer/inference/triton/rms_norm.py: the kernel, as
   rms_norm(vals, gamma, epsilon) and rms_norm_residual(vals, residual,
   gamma, epsilon) with the op bindings' signatures; exported from the
   triton package next to layer_norm.
@@ -205,13 +210,29 @@ fall back to unfused torch code. This adds the missing Triton branch.""",
   against a float32 reference (odd and >8192 widths, fp16/fp32, with the
   residual) and the op bindings' selection.""",
             changes=_changes,
-            ops=("fused.rms_norm",),
             import_checks=("deepspeed.ops.transformer.inference.triton.rms_norm",
                            "deepspeed.ops.transformer.inference.op_binding.pre_rms_norm"),
             tests=(TEST_PATH, "tests/unit/ops/transformer/inference/test_rms_norm.py",
                    "tests/unit/ops/transformer/inference/test_layer_norm.py"),
             test_args=("-m", "inference_ops"),  # tests/pytest.ini deselects inference_ops by default
-            retire=_rms_norm.REMOVAL.format(what="RMSNorm override in graft.adapters.deepspeed",
-                                            framework="DeepSpeed"),
         )
     ]
+
+
+def _version(root: Path) -> str | None:
+    for candidate in (root / "version.txt", root / "deepspeed" / "git_version_info_installed.py"):
+        if candidate.is_file():
+            m = re.search(r"(\d+\.\d+\.\d+[\w.+-]*)", candidate.read_text())
+            if m:
+                return m.group(1)
+    return git_tag_version(root)
+
+
+# yapf v0.40.0 with .style.yapf and flake8 5.0.4 with .flake8; DCO required.
+PROJECT = Project(
+    framework="deepspeed", marker="deepspeed", detect_version=_version, title_tag="", dco=True,
+    packages=("yapf==0.40.0", "flake8==5.0.4"),
+    tools=(
+        Tool("yapf", ("yapf", "--diff", "--style", ".style.yapf"), ("yapf", "-i", "--style", ".style.yapf")),
+        Tool("flake8", ("flake8", "--config=.flake8")),
+    ))

@@ -1,4 +1,4 @@
-"""Built-in adapter: defines graft's op catalogue and serves every op with its torch reference.
+"""The torch backend's hooks: defines graft's op catalogue and serves every op with its torch reference.
 
 The reference is the semantics every other backend must match, and the fallback
 when nothing faster can serve a request.
@@ -27,7 +27,10 @@ def graft_register_kernels(registry):
             registry.add_impl(reference_impl(spec, provider=""))
     # Where torch has a faster kernel for the same math, graft's torch backend uses it
     # (ranked above the reference, which stays the definition and last resort).
-    from graft.ops import optim
+    # Each op family module lists those in ``torch_implementations()``, beside the reference.
+    from graft.ops import family_modules
 
-    if optim.OP in registry.ops:
-        registry.add_impl(optim.torch_implementation())
+    for module in family_modules():
+        for impl in getattr(module, "torch_implementations", list)():
+            if impl.op in registry.ops:
+                registry.add_impl(impl)

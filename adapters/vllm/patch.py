@@ -17,8 +17,13 @@ Removal plan: see ``retire`` below.
 """
 from __future__ import annotations
 
-from graft.patches.template import CreateFile, PatchTemplate, ReplaceText
-from graft.patches.templates import _rms_norm
+import re
+from pathlib import Path
+
+from graft.patches import rms_norm_kernel as _rms_norm
+from graft.patches.projects import Project, Tool
+from graft.patches.template import CreateFile, ReplaceText
+from graft.patches.versions import git_tag_version
 
 ENV = "VLLM_USE_TRITON_RMS_NORM"
 MODULE_PATH = "vllm/model_executor/layers/triton_rms_norm.py"
@@ -292,7 +297,9 @@ def _changes() -> list:
 
 def templates() -> list:
     return [
-        PatchTemplate(
+        _rms_norm.rms_norm_template(
+            framework_title="vLLM",
+            what="fused.rms_norm override in graft.adapters.vllm",
             name="vllm-triton-rms-norm",
             framework="vllm",
             supported=">=0.33,<0.35",
@@ -303,9 +310,7 @@ A Triton kernel gives every CUDA-alike platform Triton supports a fused
 RMSNorm (plain and with the residual add) without an extension build, and
 an alternative to compare against. It is opt-in ({ENV}=1), so the default
 path is unchanged.""",
-            body=_rms_norm.HOW + f"""
-
-- vllm/model_executor/layers/triton_rms_norm.py: the kernel, registered as
+            body=f"""- vllm/model_executor/layers/triton_rms_norm.py: the kernel, registered as
   torch.ops.vllm.triton_rms_norm and torch.ops.vllm.triton_fused_add_rms_norm
   with fake implementations, so torch.compile traces each as one op;
   weight=None (RMSNorm(has_weight=False)) is supported.
@@ -316,10 +321,28 @@ path is unchanged.""",
   odd and >8192 widths, with and without weight/residual), opcheck of both
   ops, and the forward_cuda dispatch.""",
             changes=_changes,
-            ops=("fused.rms_norm",),
             import_checks=("vllm.model_executor.layers.triton_rms_norm", "vllm.model_executor.layers.layernorm"),
             tests=(TEST_PATH, "tests/kernels/ir/test_layernorm.py", "tests/test_envs.py"),
-            retire=_rms_norm.REMOVAL.format(what="fused.rms_norm override in graft.adapters.vllm",
-                                            framework="vLLM"),
         )
     ]
+
+
+def _version(root: Path) -> str | None:
+    # Built trees and sdists carry vllm/_version.py (vcs-versioning); plain checkouts use tags.
+    generated = root / "vllm" / "_version.py"
+    if generated.is_file():
+        m = re.search(r"""^__version__\s*=\s*version\s*=\s*['"]([^'"]+)['"]""", generated.read_text(), re.M)
+        if m:
+            return m.group(1)
+    return git_tag_version(root)
+
+
+# ruff v0.14.0 (.pre-commit-config.yaml), configured in pyproject.toml; DCO check on PRs;
+# PR titles carry a category tag (CONTRIBUTING: [Kernel], [Core], [Bugfix], ...).
+PROJECT = Project(
+    framework="vllm", marker="vllm", detect_version=_version, title_tag="[Kernel]", dco=True,
+    packages=("ruff==0.14.0",),
+    tools=(
+        Tool("ruff check", ("ruff", "check", "--no-cache"), ("ruff", "check", "--no-cache", "--fix")),
+        Tool("ruff format", ("ruff", "format", "--no-cache", "--check", "--diff"), ("ruff", "format", "--no-cache")),
+    ))

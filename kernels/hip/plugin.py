@@ -1,4 +1,4 @@
-"""Built-in adapter: HIP/CUDA C++ kernels from ``graft.kernels.hip``.
+"""The HIP backend's hooks; its kernels are the other modules of ``graft.kernels.hip``.
 
 Sources are CUDA-flavoured C++ that PyTorch's extension builder compiles with nvcc,
 or hipifies and compiles with hipcc on ROCm. They are built lazily, on first use, and
@@ -6,8 +6,7 @@ only where a GPU and a toolchain exist; elsewhere the implementations report why
 they are unavailable instead of failing.
 """
 from graft.hookspecs import hookimpl
-
-from ._kernel_modules import register_package
+from graft.plugins import register_kernel_modules
 
 
 @hookimpl
@@ -17,4 +16,4 @@ def graft_adapter_info():
 
 @hookimpl
 def graft_register_kernels(registry):
-    register_package("graft.kernels.hip", registry)
+    register_kernel_modules("graft.kernels.hip", registry)

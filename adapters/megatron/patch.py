@@ -15,8 +15,13 @@ Upstream: not submitted yet. Removal plan: see ``retire``.
 """
 from __future__ import annotations
 
-from graft.patches.template import CreateFile, PatchTemplate, ReplaceText
-from graft.patches.templates import _rms_norm
+import re
+from pathlib import Path
+
+from graft.patches import rms_norm_kernel as _rms_norm
+from graft.patches.projects import Project, Tool
+from graft.patches.template import CreateFile, ReplaceText
+from graft.patches.versions import git_tag_version
 
 MODULE_PATH = "megatron/core/fusions/fused_rms_norm_triton.py"
 SPECS_PATH = "megatron/core/models/gpt/gpt_layer_specs.py"
@@ -183,7 +188,9 @@ def _changes() -> list:
 
 def templates() -> list:
     return [
-        PatchTemplate(
+        _rms_norm.rms_norm_template(
+            framework_title="Megatron-core",
+            what="norm override in graft.adapters.megatron's layer spec",
             name="megatron-triton-rms-norm",
             framework="megatron",
             supported=">=0.16,<0.18",
@@ -193,9 +200,7 @@ Without Transformer Engine or Apex, the local spec normalises with
 WrappedTorchNorm (unfused torch.nn.RMSNorm). A Triton RMSNorm gives
 TE-less setups (and GPUs TE does not cover yet) a fused norm for training,
 with no extension build.""",
-            body=_rms_norm.HOW + """
-
-- megatron/core/fusions/fused_rms_norm_triton.py: TritonRMSNorm, with the
+            body="""- megatron/core/fusions/fused_rms_norm_triton.py: TritonRMSNorm, with the
   (config, hidden_size, eps) constructor of norm submodules; forward runs
   the kernel, backward recomputes the norm in fp32 for the input and
   weight gradients; honours layernorm_zero_centered_gamma and marks the
@@ -206,13 +211,39 @@ with no extension build.""",
   gradients against torch.nn.RMSNorm (fp32/bf16, odd and >8192 widths,
   zero-centred gamma) and the spec selection.""",
             changes=_changes,
-            ops=("fused.rms_norm",),
             import_checks=("megatron.core.fusions.fused_rms_norm_triton", "megatron.core.models.gpt.gpt_layer_specs"),
             tests=(TEST_PATH, "tests/unit_tests/transformer/test_spec_customization.py"),
             # tests/unit_tests/conftest.py needs Transformer Engine (is_te_min_version in an autouse
             # fixture) and downloads test data; these tests need neither.
             test_args=("--noconftest",),
-            retire=_rms_norm.REMOVAL.format(what="norm override in graft.adapters.megatron's layer spec",
-                                            framework="Megatron-core"),
         )
     ]
+
+
+def _version(root: Path) -> str | None:
+    info = root / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        return None
+    text = info.read_text()
+    parts = {}
+    for key in ("MAJOR", "MINOR", "PATCH"):
+        m = re.search(rf"^{key}\s*=\s*(\d+)", text, re.M)
+        if not m:
+            return None
+        parts[key] = m.group(1)
+    pre = re.search(r"""^PRE_RELEASE\s*=\s*['"]([^'"]*)['"]""", text, re.M)
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{pre.group(1) if pre else ''}"
+
+
+# Megatron-LM: black 24.4.2 / isort 5.13.2 / pylint 3.2.6 (.pre-commit-config.yaml, pyproject.toml,
+# .pylintrc); pylint and isort cover megatron/core only, black also tests/unit_tests.
+PROJECT = Project(
+    framework="megatron", marker="megatron/core", detect_version=_version, title_tag="", dco=False,
+    packages=("black==24.4.2", "isort==5.13.2", "pylint==3.2.6"),
+    tools=(
+        Tool("black", ("black", "--check", "--diff", "--skip-magic-trailing-comma", "--skip-string-normalization"),
+             ("black", "-q", "--skip-magic-trailing-comma", "--skip-string-normalization"),
+             files=r"^(megatron/core/|tests/unit_tests/).*\.py$"),
+        Tool("isort", ("isort", "--check-only", "--diff"), ("isort", "-q"), files=r"^megatron/core/.*\.py$"),
+        Tool("pylint", ("pylint", "--rcfile=.pylintrc", "--score=n"), files=r"^megatron/core/.*\.py$"),
+    ))

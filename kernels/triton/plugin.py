@@ -1,12 +1,11 @@
-"""Built-in adapter: Triton kernels from ``graft.kernels.triton``.
+"""The Triton backend's hooks; its kernels are the other modules of ``graft.kernels.triton``.
 
 On a GPU they run compiled; on the CPU only in Triton's interpreter
 (``TRITON_INTERPRET=1``, set before anything imports triton), which the
 implementations declare through their supported devices.
 """
 from graft.hookspecs import hookimpl
-
-from ._kernel_modules import register_package
+from graft.plugins import register_kernel_modules
 
 
 @hookimpl
@@ -26,4 +25,4 @@ def graft_register_kernels(registry):
         import triton  # noqa: F401
     except ImportError as exc:
         raise RuntimeError(f"triton is not installed ({exc}); Triton kernels are unavailable") from exc
-    register_package("graft.kernels.triton", registry)
+    register_kernel_modules("graft.kernels.triton", registry)

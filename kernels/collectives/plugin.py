@@ -1,16 +1,14 @@
-"""Built-in adapter: graft's collective implementations (``graft.kernels.collectives``).
+"""The collectives backend's hooks; its implementations are the modules of ``graft.kernels.collectives``
+that define ``register``.
 
 Registers the one-shot/two-shot all-reduce, the int8 quantized all-gather and the
 GEMM + collective overlap ops. The references (plain torch.distributed collectives) are
-registered by the torch adapter like every other op's.
+registered by the torch backend like every other op's.
 """
 from __future__ import annotations
 
-import importlib
-
 from graft.hookspecs import hookimpl
-
-MODULES = ("allreduce", "quantized_gather", "overlap")
+from graft.plugins import register_kernel_modules
 
 
 @hookimpl
@@ -24,5 +22,4 @@ def graft_adapter_info():
 
 @hookimpl
 def graft_register_kernels(registry):
-    for name in MODULES:
-        importlib.import_module(f"graft.kernels.collectives.{name}").register(registry)
+    register_kernel_modules("graft.kernels.collectives", registry)
