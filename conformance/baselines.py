@@ -1,7 +1,7 @@
 """Upstream baselines: the code an implementation replaces, to measure it against.
 
 Every op is measured against its torch reference (the semantics). Where the framework's
-own kernel or a well-known library is importable, it is a second baseline: that is the
+own kernel (contributed by its integration) or a well-known library is importable, it is a second baseline: that is the
 ratio that tells a user whether switching to graft pays. Each entry:
 
 * ``load()`` returns the upstream callable or raises (ImportError, ...): the baseline is then
@@ -54,7 +54,8 @@ class Baseline:
 # --------------------------------------------------------------------------- adapters
 
 
-def _kwarg(args, kwargs, index, name, default=None):
+def kwarg(args, kwargs, index, name, default=None):
+    """Argument ``index`` of a call, passed positionally or as ``name``."""
     if len(args) > index:
         return args[index]
     return kwargs.get(name, default)
@@ -68,8 +69,8 @@ def _equal_lengths(cu_seqlens: torch.Tensor):
 def _prefill_to_padded(args, kwargs):
     """Varlen prefill arguments as equal-length [B, H, S, D] tensors, or why not."""
     q, k, v, cu_q, cu_k = args[:5]
-    causal = _kwarg(args, kwargs, 7, "causal", False)
-    scale = _kwarg(args, kwargs, 8, "softmax_scale", None)
+    causal = kwarg(args, kwargs, 7, "causal", False)
+    scale = kwarg(args, kwargs, 8, "softmax_scale", None)
     sq, sk = _equal_lengths(cu_q), _equal_lengths(cu_k)
     if not sq or not sk:
         return "ragged or empty sequences (needs equal-length batches)"
@@ -105,32 +106,21 @@ def _adapt_flash_attn_varlen(fn, args, kwargs):
         return "flash_attn runs on CUDA only"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return "flash_attn takes fp16/bf16 only"
-    call_kwargs = {"causal": bool(_kwarg(args, kwargs, 7, "causal", False)),
-                   "softmax_scale": _kwarg(args, kwargs, 8, "softmax_scale", None)}
+    call_kwargs = {"causal": bool(kwarg(args, kwargs, 7, "causal", False)),
+                   "softmax_scale": kwarg(args, kwargs, 8, "softmax_scale", None)}
     return fn, (q, k, v, cu_q, cu_k, max_q, max_k), call_kwargs, None
 
 
 def _adapt_torch_rms_norm(fn, args, kwargs):
     x, weight = args[0], args[1]
-    eps = _kwarg(args, kwargs, 2, "eps", 1e-6)
-    residual = _kwarg(args, kwargs, 3, "residual", None)
+    eps = kwarg(args, kwargs, 2, "eps", 1e-6)
+    residual = kwarg(args, kwargs, 3, "residual", None)
     if residual is not None:
         return "fused residual add (torch has no fused add+RMSNorm)"
     return fn, (x, (x.shape[-1],), weight, eps), {}, None
 
 
-def _adapt_vllm_rms_norm(fns, args, kwargs):
-    rms_norm, fused_add = fns
-    x, weight = args[0], args[1]
-    eps = _kwarg(args, kwargs, 2, "eps", 1e-6)
-    residual = _kwarg(args, kwargs, 3, "residual", None)
-    if residual is None:
-        return rms_norm, (x, weight, eps, None), {}, None
-    # vLLM may update x/residual in place: give it its own copies so the case inputs stay intact.
-    return (lambda x, r, w, e: fused_add(x.clone(), r.clone(), w, e, None)), (x, residual, weight, eps), {}, tuple
-
-
-def _adapt_same_args(fn, args, kwargs):
+def adapt_same_args(fn, args, kwargs):
     return fn, tuple(args), dict(kwargs), None
 
 
@@ -154,32 +144,23 @@ def _load_flash_attn():
     return flash_attn_varlen_func
 
 
-def _load_vllm_rms_norm():
-    # What vLLM's RMSNorm.forward_native runs (the CustomOp itself needs a vLLM config to build).
-    import vllm.model_executor.layers.layernorm  # noqa: F401  (imports vllm.ir in vLLM's own order)
-    from vllm import ir
-
-    return ir.ops.rms_norm, ir.ops.fused_add_rms_norm
-
-
-def _load_vllm_silu_and_mul():
-    from vllm.model_executor.layers.activation import SiluAndMul
-
-    return SiluAndMul.forward_native  # a staticmethod: callable without a vLLM config
-
-
 BASELINES = [
     Baseline("torch.nn.functional.scaled_dot_product_attention", "attention.prefill", _load_sdpa, _adapt_sdpa,
              "torch SDPA (flash/efficient kernels on GPU) on equal-length batches"),
     Baseline("flash_attn.flash_attn_varlen_func", "attention.prefill", _load_flash_attn, _adapt_flash_attn_varlen,
              "FlashAttention-2 varlen, when installed"),
     Baseline("torch.nn.functional.rms_norm", "fused.rms_norm", _load_torch_rms_norm, _adapt_torch_rms_norm),
-    Baseline("vllm RMSNorm.forward_native", "fused.rms_norm", _load_vllm_rms_norm, _adapt_vllm_rms_norm,
-             "vLLM's native-torch RMSNorm path (vllm.ir rms_norm / fused_add_rms_norm)"),
-    Baseline("vllm SiluAndMul.forward_native", "fused.silu_and_mul", _load_vllm_silu_and_mul, _adapt_same_args),
 ]
+
+
+def all_baselines() -> list:
+    """Library baselines (above) and each framework integration's own (its
+    ``graft_conformance_baselines`` hook, e.g. ``graft.adapters.vllm.baselines``)."""
+    from graft.plugins import get_host
+
+    return [*BASELINES, *get_host().collect("graft_conformance_baselines")]
 
 
 def baselines_for(op: str, upstream: bool = True) -> list:
     """The upstream baselines registered for ``op`` (empty when ``upstream`` is False)."""
-    return [b for b in BASELINES if b.op == op] if upstream else []
+    return [b for b in all_baselines() if b.op == op] if upstream else []

@@ -57,6 +57,12 @@ def graft_conformance_cases(registry) -> list:
 
 
 @hookspec
+def graft_conformance_baselines() -> list:
+    """Return :class:`graft.conformance.baselines.Baseline` objects: a framework's own code
+    for an op, which conformance times and checks graft's implementations against."""
+
+
+@hookspec
 def graft_patch_templates() -> list:
     """Return upstream-contribution patch templates (see ``graft.patches``)."""
 

@@ -69,3 +69,10 @@ def graft_upstream_projects():
     from graft.adapters.vllm import patch
 
     return [patch.PROJECT]
+
+
+@hookimpl
+def graft_conformance_baselines():
+    from graft.adapters.vllm import baselines
+
+    return baselines.baselines()
