@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from graft.conformance.tolerances import Tolerance
+from graft.platform import dtype_name
 
 # Relative errors are reported only where |expected| is at least this fraction of the output's
 # RMS: next to zero, relative error says nothing (the RMS-relative atol governs there).
@@ -96,9 +97,6 @@ def flatten(value, name: str = "out") -> list:
     return [(name, value)]
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
 
 def _index(flat_index: int, shape: tuple) -> tuple:
     idx = []
@@ -115,7 +113,7 @@ def _item(t: torch.Tensor):
 
 def compare_tensors(name: str, got, expected: torch.Tensor, tolerance: Tolerance) -> TensorComparison:
     shape = tuple(expected.shape)
-    result = TensorComparison(name, True, shape, _dtype_name(expected.dtype), tolerance, numel=expected.numel())
+    result = TensorComparison(name, True, shape, dtype_name(expected.dtype), tolerance, numel=expected.numel())
     if not isinstance(got, torch.Tensor):
         result.ok, result.problem = False, f"expected a tensor, got {type(got).__name__}"
         return result
@@ -123,7 +121,7 @@ def compare_tensors(name: str, got, expected: torch.Tensor, tolerance: Tolerance
         result.ok, result.problem = False, f"shape {tuple(got.shape)}, expected {shape}"
         return result
     if got.dtype != expected.dtype:
-        result.ok, result.problem = False, f"dtype {_dtype_name(got.dtype)}, expected {_dtype_name(expected.dtype)}"
+        result.ok, result.problem = False, f"dtype {dtype_name(got.dtype)}, expected {dtype_name(expected.dtype)}"
         return result
     if expected.numel() == 0:
         return result

@@ -18,6 +18,7 @@ import torch
 from graft.conformance.compare import compare_tensors, flatten
 from graft.conformance.tolerances import grad_tolerance_for
 from graft.custom_ops import has_backward
+from graft.platform import dtype_name
 
 PASS, FAIL, ERROR, SKIPPED = "pass", "fail", "error", "skipped"
 
@@ -76,7 +77,7 @@ def _grads(fn, op, args, kwargs, normalize, seed):
 
 def run_grad(impl, spec, case, make, dtype: torch.dtype, device_type: str, seed: int) -> dict:
     """The ``grad`` entry of one implementation on one (case, dtype)."""
-    dtype_name = str(dtype).replace("torch.", "")
+    dtype_str = dtype_name(dtype)
     result: dict = {"status": PASS, "reason": None, "message": None, "inputs": {}}
     reason = no_backward_reason(impl)
     if reason:
@@ -90,7 +91,7 @@ def run_grad(impl, spec, case, make, dtype: torch.dtype, device_type: str, seed:
         _, got = _grads(impl.fn, case.op, args, kwargs, case.normalize, seed)
     except Exception as exc:  # noqa: BLE001 - reported per case, the run goes on
         result["status"], result["reason"] = ERROR, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        result["message"] = f"{case.op} [{case.name}] dtype={dtype_name} impl={impl.backend}: backward raised {result['reason']}"
+        result["message"] = f"{case.op} [{case.name}] dtype={dtype_str} impl={impl.backend}: backward raised {result['reason']}"
         return result
     bad = []
     for (pos, tensor), g, e in zip(marked, got, expected):
@@ -116,6 +117,6 @@ def run_grad(impl, spec, case, make, dtype: torch.dtype, device_type: str, seed:
                           if cmp.worst_index is not None else ""))
     if bad:
         result["status"] = FAIL
-        result["message"] = (f"{case.op} [{case.name}] dtype={dtype_name} impl={impl.backend}: gradient mismatch\n"
+        result["message"] = (f"{case.op} [{case.name}] dtype={dtype_str} impl={impl.backend}: gradient mismatch\n"
                              + "\n".join(bad))
     return result

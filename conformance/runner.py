@@ -31,7 +31,7 @@ from graft.conformance.compare import Comparison, compare, flatten
 from graft.conformance.timing import Timing, speedup, time_call
 from graft.conformance.tolerances import tolerance_for
 from graft.errors import GraftError
-from graft.platform import device_info, triton_interpret
+from graft.platform import device_info, dtype_name, triton_interpret
 from graft.registry import key_tensor
 
 PASS, FAIL, ERROR, SKIPPED = "pass", "fail", "error", "skipped"
@@ -177,9 +177,6 @@ class Report:
         return {"meta": self.meta, "summary": summary, "notes": list(self.notes),
                 "cases": [dataclasses.asdict(c) for c in self.cases]}
 
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def failure_message(op, case_name, dtype, impl_name, comparison: Comparison) -> str:
@@ -371,13 +368,8 @@ class Runner:
 
     def _run_impl(self, impl, case, dtype, make, expected, tol, key_dtype, arch, baseline_timings) -> ImplResult:
         r = ImplResult(impl.backend, impl.provider, PASS)
-        reason = impl.static_reason(self.device.type, key_dtype, arch)
         args, kwargs = make()
-        if reason is None and impl.check is not None:
-            try:
-                reason = impl.check(*args, **kwargs)
-            except Exception as exc:
-                reason = f"per-call check raised {_short_error(exc)}"
+        reason = impl.reason(self.device.type, key_dtype, arch, args, kwargs)
         if reason:
             r.status, r.reason = SKIPPED, reason
             return r

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graft.platform import dtype_name
+
 _GROWTH_START = 256  # reduction length the base bounds already cover
 
 
@@ -63,9 +65,6 @@ _FLOAT_BASE = {
 _TF32 = (2e-3, 2e-3, "fp32 on cuda: TF32 tensor-core dot (10-bit mantissa)")
 _INT8 = (1.0, 0.0, "int8: one quantization step (rounding-mode ties)")
 
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def accumulation_growth(reduction_len: int | None) -> float:
@@ -115,7 +114,7 @@ def tolerance_for(
     elif out_dtype == torch.int8:
         a, r, rule = _INT8
     else:
-        a, r, rule = 0.0, 0.0, f"{_dtype_name(out_dtype)}: exact"
+        a, r, rule = 0.0, 0.0, f"{dtype_name(out_dtype)}: exact"
     oa, orr = _override(atol, compute_dtype or out_dtype), _override(rtol, compute_dtype or out_dtype)
     if oa is not None or orr is not None:
         a = a if oa is None else oa

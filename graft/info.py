@@ -9,7 +9,7 @@ import torch
 
 from graft import __version__, config
 from graft.errors import GraftConfigError
-from graft.platform import default_device, device_info, triton_interpret
+from graft.platform import default_device, device_info, dtype_name, triton_interpret
 
 
 def add_arguments(parser) -> None:
@@ -59,7 +59,7 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         op_dtype = dtype if dtype is not None else spec.dtypes[0] if spec.dtypes else None
         decision = explain(registry, name, device=device, dtype=op_dtype, arch=info.arch)
         entry = decision.as_dict()
-        entry.update(family=spec.family, signature=spec.signature, dtype=str(op_dtype).replace("torch.", ""))
+        entry.update(family=spec.family, signature=spec.signature, dtype=dtype_name(op_dtype))
         report["ops"].append(entry)
     return report
 

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how graft names dtypes in messages and reports."""
+    return str(dtype).replace("torch.", "")
+
+
 # Architecture family names used by autotune tables (see graft.kernels.triton.autotune).
 _FAMILIES = (
     ("gfx94", "cdna3"),

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import torch
 
 from graft.errors import GraftError
+from graft.platform import dtype_name
 
 FAMILIES = ("attention", "gemm", "moe", "collectives", "fused", "loss")
 FAMILY_DESCRIPTIONS = {
@@ -90,6 +91,16 @@ class Implementation:
         except Exception as exc:
             return f"{self.provider or self.backend}'s check() raised {type(exc).__name__}: {exc}"
 
+    def reason(self, device_type: str, dtype: torch.dtype | None, arch: str | None,
+               args: tuple | None = None, kwargs: dict | None = None) -> str | None:
+        """Why this impl cannot serve a request, or None if it can: the static reasons,
+        then, given the call's arguments, the per-call check. Selection asks the two parts
+        separately (the first is cached per device and dtype); conformance asks this."""
+        reason = self.static_reason(device_type, dtype, arch)
+        if reason is None and args is not None:
+            reason = self.call_reason(args, kwargs or {})
+        return reason
+
     def static_reason(self, device_type: str, dtype: torch.dtype | None, arch: str | None) -> str | None:
         """Why this impl cannot serve a (device, dtype, arch) request, or None if it can.
 
@@ -106,7 +117,7 @@ class Implementation:
         if device_type not in self.devices:
             return f"device type {device_type!r} not supported (supports {', '.join(sorted(self.devices))})"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            names = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes))
+            names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
             return f"dtype {str(dtype).replace('torch.', '')} not supported (supports {names})"
         if self.archs is not None and device_type != "cpu":
             if arch is None or not any(arch.startswith(p) for p in self.archs):

@@ -21,6 +21,7 @@ import torch
 
 from graft import config
 from graft.errors import GraftUnsupportedError
+from graft.platform import dtype_name
 from graft.registry import Implementation, Registry
 
 log = logging.getLogger("graft.selection")
@@ -109,8 +110,8 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     whole_op_off = settings.is_disabled("all", op, spec.family)
     op_rejects = None
     if dtype is not None and spec.dtypes and dtype not in spec.dtypes:
-        accepted = ", ".join(str(d).replace("torch.", "") for d in spec.dtypes)
-        op_rejects = f"{op} does not accept dtype {str(dtype).replace('torch.', '')} (accepts {accepted})"
+        accepted = ", ".join(dtype_name(d) for d in spec.dtypes)
+        op_rejects = f"{op} does not accept dtype {dtype_name(dtype)} (accepts {accepted})"
     for backend in _ordered_backends(tuple(priority), settings.global_priority, set(by_backend)):
         for impl in by_backend.get(backend, []):
             off = settings.is_disabled(backend)

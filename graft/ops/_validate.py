@@ -5,16 +5,13 @@ import torch
 
 from graft import config
 from graft.errors import GraftInputError
+from graft.platform import dtype_name
 
 CHECK_VALUES_VAR = config.declare_env_var(
     "GRAFT_CHECK_VALUES",
     "input checks that read tensor values (cu_seqlens, expert ids...): default on for CPU tensors (free), "
     "off on GPUs (each is a device sync) unless 1 or GRAFT_STRICT=1",
 )
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False) -> None:
@@ -25,8 +22,8 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None, contiguou
     if not isinstance(t, torch.Tensor):
         raise GraftInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(_dtype_name(d) for d in dtypes)
-        raise GraftInputError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of: {allowed}")
+        allowed = ", ".join(dtype_name(d) for d in dtypes)
+        raise GraftInputError(f"{name} has dtype {dtype_name(t.dtype)}; expected one of: {allowed}")
     if ndim is not None and t.dim() != ndim:
         raise GraftInputError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if device is not None and t.device != torch.device(device):
@@ -61,7 +58,7 @@ def check_same_dtype(**tensors) -> None:
     else:
         return
     dtypes = {name: t.dtype for name, t in tensors.items() if isinstance(t, torch.Tensor)}
-    listing = ", ".join(f"{n}: {_dtype_name(d)}" for n, d in dtypes.items())
+    listing = ", ".join(f"{n}: {dtype_name(d)}" for n, d in dtypes.items())
     raise GraftInputError(f"inputs must share a dtype: {listing}")
 
 
