@@ -24,6 +24,7 @@ from packaging.version import InvalidVersion, Version
 
 from graft import config
 from graft.errors import GraftDependencyError, GraftError
+from graft.hookspecs import hookimpl
 
 log = logging.getLogger("graft.integration")
 
@@ -226,3 +227,48 @@ def _define_recording_ops() -> None:
 
 
 _define_recording_ops()
+
+
+class FrameworkPlugin:
+    """The graft hooks of one framework integration, found by module name in its folder
+    (``graft.adapters.<framework>``), so adding a framework adds a folder, not edits elsewhere:
+
+    * ``integration.py``: ``integration()`` -> :class:`FrameworkIntegration` (switch, version gate);
+    * ``patch.py`` (optional): ``templates()`` and ``PROJECT`` for ``graft patches``;
+    * ``baselines.py`` (optional): ``baselines()``, the framework's own code for conformance.
+
+    The folder's ``adapter.py`` holds one instance, named by the ``graft.adapters`` entry point.
+    """
+
+    def __init__(self, package: str, description: str):
+        self.package = package
+        self.description = description
+
+    def _module(self, name: str):
+        import importlib
+
+        full = f"{self.package}.{name}"
+        return importlib.import_module(full) if importlib.util.find_spec(full) is not None else None
+
+    @hookimpl
+    def graft_adapter_info(self):
+        return {"description": self.description}
+
+    @hookimpl
+    def graft_framework_integrations(self):
+        return [self._module("integration").integration()]
+
+    @hookimpl
+    def graft_patch_templates(self):
+        patch = self._module("patch")
+        return patch.templates() if patch is not None else []
+
+    @hookimpl
+    def graft_upstream_projects(self):
+        patch = self._module("patch")
+        return [patch.PROJECT] if patch is not None else []
+
+    @hookimpl
+    def graft_conformance_baselines(self):
+        baselines = self._module("baselines")
+        return baselines.baselines() if baselines is not None else []

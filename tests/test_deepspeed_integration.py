@@ -99,7 +99,7 @@ def test_integration_is_declared_and_version_gated(ds_graft):
 
 
 def test_unsupported_version_is_a_clear_error(ds_graft, monkeypatch):
-    from graft.adapters.deepspeed import activation
+    from graft.adapters.deepspeed import integration as activation
     from deepspeed.accelerator import get_accelerator
 
     monkeypatch.setattr(activation, "SUPPORTED", ">=0.20,<0.21")

@@ -416,7 +416,8 @@ def test_env_var_off_gives_megatron_local_spec(megatron_cpu, calls, monkeypatch)
 
 
 def test_unsupported_version_is_a_clear_error(fresh_graft, monkeypatch):
-    from graft.adapters.megatron import activation, get_gpt_layer_graft_spec
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+    from graft.adapters.megatron import integration as activation
 
     monkeypatch.setattr(activation, "SUPPORTED", ">=0.17,<0.18")
     with pytest.raises(GraftError, match=r"does not support this version: megatron-core 0\.16\.\d+ is outside"):

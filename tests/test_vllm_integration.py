@@ -44,7 +44,7 @@ def test_entry_points_are_declared():
     assert eps["graft"].value == "graft.adapters.vllm.plugin:register"
     assert callable(eps["graft"].load())
     adapters = {ep.name: ep.value for ep in metadata.entry_points(group="graft.adapters")}
-    assert adapters.get("vllm") == "graft.adapters.vllm.adapter"
+    assert adapters.get("vllm") == "graft.adapters.vllm.adapter:plugin"
 
 
 def test_integration_is_collected_by_graft(fresh_graft):
@@ -58,7 +58,7 @@ def test_integration_is_collected_by_graft(fresh_graft):
 
 
 def test_status_honours_switches(fresh_graft, monkeypatch):
-    from graft.adapters.vllm.adapter import INTEGRATION
+    from graft.adapters.vllm.integration import INTEGRATION
 
     monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.33.0")
     assert INTEGRATION.status()[0]
@@ -99,7 +99,7 @@ def test_off_is_said_once_at_warning(fresh_graft, monkeypatch, caplog):
     import logging
 
     from graft.adapters.vllm import plugin
-    from graft.adapters.vllm.adapter import INTEGRATION
+    from graft.adapters.vllm.integration import INTEGRATION
 
     monkeypatch.setattr(INTEGRATION, "installed_version", lambda: "0.31.0")
     monkeypatch.setattr(plugin, "_warned_off", False)
@@ -254,7 +254,7 @@ def scenario_gates() -> dict:
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from graft.adapters.vllm.adapter import INTEGRATION
+    from graft.adapters.vllm.integration import INTEGRATION
 
     out = {}
     out["GRAFT_VLLM=0"] = _reload_plugins({"GRAFT_VLLM": "0"})

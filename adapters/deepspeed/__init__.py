@@ -10,7 +10,7 @@ or without touching the script: ``deepspeed --module graft.adapters.deepspeed tr
 (``python -m graft.adapters.deepspeed train.py`` for a single process). ``GRAFT_DEEPSPEED=0``
 turns it off. Importing this package does not import DeepSpeed.
 """
-from graft.adapters.deepspeed.activation import ENV_VAR, SUPPORTED, activate, deactivate, integration, is_active
+from graft.adapters.deepspeed.integration import ENV_VAR, SUPPORTED, activate, deactivate, integration, is_active
 from graft.adapters.deepspeed.stats import calls
 
 __all__ = ["ENV_VAR", "SUPPORTED", "activate", "deactivate", "integration", "is_active", "calls"]

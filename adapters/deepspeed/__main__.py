@@ -19,7 +19,7 @@ def main(argv=None) -> None:
     while argv and argv[0].startswith("--local_rank"):
         launcher_args.append(argv.pop(0))
     if not argv or argv[0] == "--status":
-        from graft.adapters.deepspeed.activation import status_lines
+        from graft.adapters.deepspeed.integration import status_lines
 
         print("\n".join(status_lines()))
         return

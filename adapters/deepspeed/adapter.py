@@ -1,32 +1,11 @@
-"""graft adapter plugin for DeepSpeed (entry point ``deepspeed`` in group ``graft.adapters``).
+"""graft's plugin for DeepSpeed (entry point ``deepspeed`` in group ``graft.adapters``).
 
-Declares the DeepSpeed framework integration; loading the plugin does not import DeepSpeed.
+Its hooks come from the folder's modules (see :class:`graft.integration.FrameworkPlugin`);
+loading it imports nothing of DeepSpeed.
 """
-from graft.hookspecs import hookimpl
+from graft.integration import FrameworkPlugin
 
-
-@hookimpl
-def graft_adapter_info():
-    return {"description": "DeepSpeed integration: accelerator wrapper (FusedAdam via fused.adam_step) "
-                           "and deepspeed.comm routing to graft collectives"}
-
-
-@hookimpl
-def graft_framework_integrations():
-    from graft.adapters.deepspeed.activation import integration
-
-    return [integration()]
-
-
-@hookimpl
-def graft_patch_templates():
-    from graft.adapters.deepspeed import patch
-
-    return patch.templates()
-
-
-@hookimpl
-def graft_upstream_projects():
-    from graft.adapters.deepspeed import patch
-
-    return [patch.PROJECT]
+plugin = FrameworkPlugin(
+    "graft.adapters.deepspeed",
+    description="DeepSpeed integration: accelerator wrapper (FusedAdam via fused.adam_step) and deepspeed.comm routing to graft collectives",
+)

@@ -8,7 +8,7 @@ attention and MoE experts run on graft ops.
 ``GRAFT_MEGATRON=0`` makes ``get_gpt_layer_graft_spec`` return Megatron's own local spec.
 Importing this package does not import Megatron; the spec helpers do, on first use.
 """
-from graft.adapters.megatron.activation import ENV_VAR, SUPPORTED, activate, enabled, integration
+from graft.adapters.megatron.integration import ENV_VAR, SUPPORTED, activate, enabled, integration
 from graft.adapters.megatron.stats import calls
 
 

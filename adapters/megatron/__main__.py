@@ -2,7 +2,7 @@
 the GPT layer spec, and which implementation of each graft op would run on this machine."""
 import sys
 
-from graft.adapters.megatron.activation import ENV_VAR, enabled, integration
+from graft.adapters.megatron.integration import ENV_VAR, enabled, integration
 
 
 def _classes(spec, prefix=""):

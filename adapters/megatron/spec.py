@@ -80,7 +80,7 @@ def get_gpt_layer_graft_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     needs no change to run without graft. Raises a clear error on an unsupported
     megatron-core version.
     """
-    from graft.adapters.megatron.activation import enabled
+    from graft.adapters.megatron.integration import enabled
 
     if not enabled():
         return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,

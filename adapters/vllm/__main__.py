@@ -6,7 +6,7 @@ import sys
 
 
 def main() -> int:
-    from graft.adapters.vllm.adapter import INTEGRATION
+    from graft.adapters.vllm.integration import INTEGRATION
 
     ok, why = INTEGRATION.status()
     print(f"graft vLLM integration: {'ready' if ok else 'off'} ({why})")

