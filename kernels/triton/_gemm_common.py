@@ -163,14 +163,21 @@ def _plan(family: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes
 
 
 def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | None = None, *,
-              k_multiple_of: int = 0, split: bool = True, family: str | None = None, sms: int | None = None) -> dict:
+              k_multiple_of: int = 0, split: bool = True, split_k: int | None = None, family: str | None = None,
+              sms: int | None = None) -> dict:
     """Launch plan for an M x N x K GEMM on ``device``: tile constexprs, launch options,
     ``SPLIT_K`` and ``K_PER_SPLIT``. ``k_multiple_of``: BLOCK_K must divide it (group size).
-    ``family``/``sms`` plan for hardware other than ``device`` (tests, AOT). Cached."""
+    ``split_k`` forces a split count (tests, benchmarks); ``family``/``sms`` plan for
+    hardware other than ``device`` (tests, AOT). Cached."""
     family = family or family_of(device)
     sms = sms if sms is not None else sm_count(device)
     b = a_bytes if b_bytes is None else b_bytes
-    return dict(_plan(family, sms, m, n, k, a_bytes, b, k_multiple_of, split))
+    cfg = dict(_plan(family, sms, m, n, k, a_bytes, b, k_multiple_of, split))
+    if split_k is not None and split_k != cfg["SPLIT_K"]:
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
+        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
+    return cfg
 
 
 def launch_options(cfg: dict) -> dict:

@@ -79,12 +79,7 @@ def _linear_kernel(
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, **what_if) -> dict:
     """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count."""
     size = dtype.itemsize
-    cfg = gemm_plan(m, n, k, device, size, **what_if)
-    if split_k is not None and split_k != cfg["SPLIT_K"]:
-        steps = triton.cdiv(k, cfg["BLOCK_K"])
-        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
-        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
-    return cfg
+    return gemm_plan(m, n, k, device, size, split_k=split_k, **what_if)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "none",

@@ -104,12 +104,7 @@ def _scale_strides(scale: torch.Tensor, blockwise: bool) -> tuple[int, int]:
 
 
 def plan(m: int, n: int, k: int, device, blockwise: bool, split_k: Optional[int] = None, **what_if) -> dict:
-    cfg = gemm_plan(m, n, k, device, 1, k_multiple_of=SCALE_BLOCK if blockwise else 0, **what_if)
-    if split_k is not None:
-        steps = triton.cdiv(k, cfg["BLOCK_K"])
-        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
-        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split), per_split * cfg["BLOCK_K"]
-    return cfg
+    return gemm_plan(m, n, k, device, 1, k_multiple_of=SCALE_BLOCK if blockwise else 0, split_k=split_k, **what_if)
 
 
 def _fp8(

@@ -120,13 +120,8 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device, group_size: int, sp
     group, so a split must not start mid-pack either: BLOCK_K stays a multiple of 16).
     B stages as packed words (0.5 B per code) plus the dequantized tile the MMA reads."""
     size = dtype.itemsize
-    cfg = gemm_plan(m, n, k, device, size, size + 0.5, k_multiple_of=0 if group_size == -1 else group_size,
-                    **what_if)
-    if split_k is not None:
-        steps = triton.cdiv(k, cfg["BLOCK_K"])
-        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
-        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split), per_split * cfg["BLOCK_K"]
-    return cfg
+    return gemm_plan(m, n, k, device, size, size + 0.5, k_multiple_of=0 if group_size == -1 else group_size,
+                     split_k=split_k, **what_if)
 
 
 def _w4a16_2d(

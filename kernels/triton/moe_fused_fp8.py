@@ -25,31 +25,16 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align import align_block_size_launch
 from graft.kernels.triton.moe_fused import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.kernels.triton.moe_fused import TILES as _fused_tiles
 from graft.platform import triton_interpret
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
-# BLOCK_K is one 128-group (the scale block); BLOCK_N as in moe_fused (GEMM 1 splits it into
-# gate and up halves). 1-byte operands: twice moe_fused's K per stage in the same memory.
-TILES = {
-    "hopper": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    },
-    "cdna3": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-    },
-    "default": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-    },
-    "interpreter": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
-        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
-    },
-}
+# moe_fused's tiles with BLOCK_K one 128-group (the scale block): 1-byte operands fit twice
+# moe_fused's K per stage in the same memory. The interpreter's tiles stay as they are.
+TILES = {arch: {size: dict(cfg, BLOCK_K=128) if arch != "interpreter" else dict(cfg) for size, cfg in sizes.items()}
+         for arch, sizes in _fused_tiles.items()}
 
 
 @triton.jit
