@@ -1,7 +1,7 @@
 """Gradient conformance: an implementation's registered backward against torch autograd
 through the op's reference (``graft conformance --grad``).
 
-For each (case, dtype) the differentiable inputs (:data:`GRAD_INPUTS`) of fresh inputs are
+For each (case, dtype) the differentiable inputs (the OpSpec's ``grad_inputs``) of fresh inputs are
 marked ``requires_grad``; the reference and the implementation each run forward, get the same
 seeded cotangent for every floating-point output, and ``torch.autograd.grad`` gives each input's
 gradient; every input's gradient is compared with the tolerance of
@@ -22,22 +22,15 @@ from graft.platform import dtype_name
 
 PASS, FAIL, ERROR, SKIPPED = "pass", "fail", "error", "skipped"
 
-# op -> positions of the arguments that take gradients (floating-point tensors that are
-# activations or parameters; positions, caches, routing ids and scales take none).
-GRAD_INPUTS = {
-    "attention.prefill": (0, 1, 2),
-    "fused.rms_norm": (0, 1, 3),
-    "fused.layer_norm": (0, 1, 2),
-    "fused.rotary_embedding": (1, 2),
-    "fused.silu_and_mul": (0,),
-    "gemm.linear": (0, 1, 2),
-    "moe.fused_experts": (0, 1, 2, 3),
-    "loss.fused_linear_cross_entropy": (0, 1, 3),
-}
+def grad_inputs(op: str) -> tuple:
+    """Positions of ``op``'s arguments that take gradients (its OpSpec's ``grad_inputs``)."""
+    from graft.plugins import get_registry
+
+    return get_registry().op(op).grad_inputs
 
 
 def differentiable(op: str) -> bool:
-    return op in GRAD_INPUTS
+    return bool(grad_inputs(op))
 
 
 def no_backward_reason(impl) -> str | None:
@@ -50,7 +43,7 @@ def _mark(op: str, args: tuple) -> tuple[list, list]:
     """Mark the op's differentiable inputs; returns (args with them, [(name, tensor)])."""
     marked_args = list(args)
     marked = []
-    for i in GRAD_INPUTS[op]:
+    for i in grad_inputs(op):
         if i < len(marked_args) and isinstance(marked_args[i], torch.Tensor) and marked_args[i].is_floating_point():
             marked_args[i] = marked_args[i].detach().requires_grad_(True)
             marked.append((i, marked_args[i]))

@@ -46,6 +46,9 @@ class OpSpec:
     key_arg: int = 0
     validate: Callable | None = None
     dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
+    # Positions of the arguments that take gradients (activations, parameters; not positions,
+    # caches, ids or scales): what `graft conformance --grad` differentiates. Empty: no gradient.
+    grad_inputs: tuple = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:

@@ -306,6 +306,7 @@ OPS = [
         description="flash-attention forward over packed variable-length sequences (causal bottom-right, GQA)",
         validate=validate_prefill,
         dtypes=FLOAT_DTYPES,
+        grad_inputs=(0, 1, 2),
     ),
     OpSpec(
         name="attention.decode_paged",

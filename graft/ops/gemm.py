@@ -260,6 +260,7 @@ OPS = [
         description="act(x @ weight.T + bias), fp32 accumulation, activation fused in the epilogue",
         validate=validate_linear,
         dtypes=FLOAT_DTYPES,
+        grad_inputs=(0, 1, 2),
     ),
     OpSpec(
         name="gemm.w8a8",

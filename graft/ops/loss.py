@@ -73,6 +73,7 @@ OPS = [
         reference=fused_linear_cross_entropy_reference,
         description="output projection + cross-entropy (fp32 softmax), chunked so the [T, V] logits never exist",
         validate=validate_fused_linear_cross_entropy,
+        grad_inputs=(0, 1, 3),
     ),
 ]
 

@@ -265,6 +265,7 @@ OPS = [
         reference=fused_experts_reference,
         description="grouped expert GEMMs with fused SiLU-and-mul and routing-weighted combine",
         validate=validate_fused_experts,
+        grad_inputs=(0, 1, 2, 3),
     ),
 ]
 
