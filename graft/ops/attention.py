@@ -156,10 +156,15 @@ def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens
 
 def _paged_context(key_cache, value_cache, table_row, n):
     """Sequence keys/values of the first ``n`` cache tokens of one table row, without the
-    tokens of entries outside [0, num_blocks): (k, v, their positions), or None if none is left."""
+    tokens of entries outside [0, num_blocks): (k, v, their positions or None when none is
+    skipped), or None if no token is left."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     blocks = table_row[: (n + block_size - 1) // block_size].long()
-    ok = ((blocks >= 0) & (blocks < num_blocks)).repeat_interleave(block_size)[:n]
+    block_ok = (blocks >= 0) & (blocks < num_blocks)
+    if bool(block_ok.all()):  # the usual case: no masking needed
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        return k, value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n], None
+    ok = block_ok.repeat_interleave(block_size)[:n]
     if not bool(ok.any()):
         return None
     blocks = blocks.clamp(0, num_blocks - 1)
@@ -186,7 +191,8 @@ def prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_
         if context is None:
             continue
         k, v, pos = context
-        out[q0:q1] = _attend(q[q0:q1], k, v, scale, causal, key_pos=pos, context_len=n).to(q.dtype)
+        out[q0:q1] = _attend(q[q0:q1], k, v, scale, causal, key_pos=pos, context_len=None if pos is None else n
+                             ).to(q.dtype)
     return out
 
 
