@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU kernel benchmark (one NVIDIA/AMD GPU; sized for < 8 minutes on one H200):
 #   graft's kernels vs the library baselines they replace (cuBLAS matmul, _int_mm, _scaled_mm,
-#   SDPA flash/cuDNN, loop-over-experts and dense MoE, F.rms_norm), on Llama-3 / Mixtral /
+#   SDPA flash/cuDNN, vLLM-style gather + prefill for paged prefill with cached context,
+#   loop-over-experts and dense MoE, F.rms_norm), on Llama-3 / Mixtral /
 #   DeepSeek-V3 shapes, timed under CUDA graphs with value checks off, ratios measured in the
 #   same run. Writes benchmarks/kernels-<gpu>.json and .html (see graft/kernels/bench.py).
 # Uses the torch and Triton already installed; installs graft itself without dependencies:

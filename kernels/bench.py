@@ -15,6 +15,11 @@ Families and shapes (from the kernels' target models):
   flash and cuDNN backends (one call per sequence: SDPA has no varlen form);
 * ``decode``: paged decode at batch {1, 8, 64, 256} x context {1k, 4k, 32k}, vs SDPA on a
   contiguous cache;
+* ``prefill_paged``: chunks of new tokens after a cached context (chunked prefill, prefix
+  caching), 32/8 heads, d=128, block size 16, scattered pages: ``attention.prefill_paged``
+  (K/V read through the block table) vs vLLM-style gather of the pages into a contiguous
+  K/V followed by graft's ``attention.prefill`` (both timed), and vs SDPA flash with a
+  bottom-right causal mask on an already contiguous K/V (the gather not timed);
 * ``moe``: Mixtral (8 experts, top-2, 4096/14336) and DeepSeek-V3 (256, top-8, 7168/2048)
   at T in {1, 64, 1024, 8192}, vs a loop over experts and a dense all-experts bf16 MoE;
 * ``fused``: rms_norm / silu_and_mul / rotary at T in {1, 256, 4096, 16384} x H in {4096,
@@ -50,6 +55,10 @@ GEMM_M = (1, 16, 64, 128, 512, 4096, 8192)
 PREFILL_LENS = {  # name -> per-sequence lengths (ragged where there are several)
     "ragged_4k": (512, 1024, 2560), "ragged_16k": (1024, 3072, 4096, 8192), "single_8k": (8192,),
     "ragged_32k": (512, 7680, 8192, 16384), "single_32k": (32768,),
+}
+PREFILL_PAGED = {  # name -> (new tokens, cached context) per sequence
+    "chunk2k_ctx6k": ((2048,), (6144,)), "b4_q512_ctx4k": ((512,) * 4, (4096,) * 4),
+    "b8_q128_ctx16k": ((128,) * 8, (16384,) * 8), "ragged_prefix": ((1024, 256, 2048, 64), (0, 8192, 2048, 30000)),
 }
 DECODE_BATCH = (1, 8, 64, 256)
 DECODE_CTX = (1024, 4096, 32768)
@@ -271,6 +280,78 @@ def itertools_accumulate(values):
         yield total
 
 
+def _prefill_paged_cases(quick: bool, backends) -> list:
+    table = {"tiny": ((16, 40), (24, 7))} if quick else PREFILL_PAGED
+    hq, hkv, d, block = (4, 2, 64, 16) if quick else (32, 8, 128, 16)
+
+    def build_for(new, ctx):
+        def build(device, dtype):
+            import torch
+
+            gen = _gen(device)
+            seq = [n + c for n, c in zip(new, ctx)]
+            per_seq = max(-(-s // block) for s in seq)
+            num_blocks = len(seq) * per_seq
+            kc = _randn((num_blocks, block, hkv, d), device, dtype, gen)
+            vc = _randn((num_blocks, block, hkv, d), device, dtype, gen)
+            tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32).reshape(len(seq), per_seq)
+            q = _randn((sum(new), hq, d), device, dtype, gen)
+            cu_q = torch.tensor([0, *itertools_accumulate(new)], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, *itertools_accumulate(seq)], dtype=torch.int32, device=device)
+            lens = torch.tensor(seq, dtype=torch.int32, device=device)
+            args = (q, kc, vc, tables, cu_q, lens, max(new), True, None)
+            # vLLM's former path: the pages' tokens gathered by (block, slot), then varlen prefill.
+            req = torch.repeat_interleave(torch.arange(len(seq), device=device), lens.long())
+            pos = torch.cat([torch.arange(s, device=device) for s in seq])
+            blocks, slots = tables[req, pos // block].long(), pos % block
+            from graft import get_registry
+
+            # Which attention.prefill implementations serve here (k/v stand-ins: only shapes matter).
+            flat = graft_impls("attention.prefill", (q, kc[0], kc[0], cu_q, cu_k, max(new), max(seq), True, None),
+                               backends)
+            base = {}
+            for impl in get_registry().impls["attention.prefill"]:
+                if f"graft:{impl.backend}" in flat:
+                    def gather_prefill(fn=impl.fn):
+                        k, v = kc[blocks, slots], vc[blocks, slots]
+                        return fn(q, k, v, cu_q, cu_k, max(new), max(seq), True, None)
+                    base[f"gather+prefill(graft:{impl.backend})"] = gather_prefill
+            k, v = kc[blocks, slots], vc[blocks, slots]
+            ke, ve = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+            base["sdpa_flash(contiguous)"] = _sdpa_lower_right(q, ke, ve, new, seq)
+            return graft_impls("attention.prefill_paged", args, backends), base
+        return build
+
+    cases = []
+    for name, (new, ctx) in table.items():
+        seq = [n + c for n, c in zip(new, ctx)]
+        pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new, ctx))
+        tier = 0 if name in ("b4_q512_ctx4k", "tiny") else 1
+        cases.append(Case("prefill_paged", name, dict(new=list(new), context=list(ctx), heads=f"{hq}/{hkv}",
+                                                      head_dim=d, block_size=block, causal=True),
+                          build_for(new, ctx), tier, 4.0 * pairs * hq * d,
+                          2.0 * (sum(new) * 2 * hq + sum(seq) * 2 * hkv) * d))
+    return cases
+
+
+def _sdpa_lower_right(q, k, v, new, seq):
+    """SDPA flash per sequence with a bottom-right causal mask (queries = the context's last tokens)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    views, qs, ks = [], 0, 0
+    for n, s in zip(new, seq):
+        views.append((q[qs:qs + n].transpose(0, 1).unsqueeze(0), k[ks:ks + s].transpose(0, 1).unsqueeze(0),
+                      v[ks:ks + s].transpose(0, 1).unsqueeze(0), causal_lower_right(n, s)))
+        qs, ks = qs + n, ks + s
+
+    def run():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return [torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=m) for a, b, c, m in views]
+    return run
+
+
 def _decode_cases(quick: bool, backends) -> list:
     grid = [(2, 48), (3, 100)] if quick else [(b, c) for c in DECODE_CTX for b in DECODE_BATCH]
     hq, hkv, d, block = (4, 2, 64, 16) if quick else (32, 8, 128, 16)
@@ -464,7 +545,8 @@ def _fused_cases(quick: bool, backends) -> list:
     return cases
 
 
-FAMILIES = {"gemm": _gemm_cases, "prefill": _prefill_cases, "decode": _decode_cases, "moe": _moe_cases,
+FAMILIES = {"gemm": _gemm_cases, "prefill": _prefill_cases, "prefill_paged": _prefill_paged_cases,
+            "decode": _decode_cases, "moe": _moe_cases,
             "fused": _fused_cases}
 
 

@@ -67,10 +67,20 @@ def generate(model_path: str, rounds: list, max_tokens: int) -> tuple[list, dict
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outputs])
     served = engine_served_calls(llm)
+    fallbacks = dict(counter.fallbacks()) if (counter := _in_process_counter()) else None
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return tokens, served
+    return tokens, served, fallbacks
+
+
+def _in_process_counter():
+    """graft's vLLM counters when the engine runs in this process (fallbacks are not sent over RPC)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or os.environ.get("GRAFT_VLLM") == "0":
+        return None
+    from graft.adapters.vllm import stats
+
+    return stats.counter
 
 
 def bf16_silu_and_mul() -> dict:
@@ -119,11 +129,16 @@ def main(scenario: str, workdir: str) -> dict:
 
         for name in MODELS:
             stats.reset()  # in-process engines share this process's counters
-            out[name], out[f"{name} served"] = generate(paths[name], [PROMPTS, PREFIX_ROUND], 16)
+            out[name], out[f"{name} served"], out[f"{name} fallbacks"] = generate(
+                paths[name], [PROMPTS, PREFIX_ROUND], 16)
     if scenario == "off":
         out["bf16 silu_and_mul"] = bf16_silu_and_mul()
     if scenario in ("off", "triton"):
-        out["llama short"], out["llama short served"] = generate(paths["llama"], [SHORT], 4)
+        from graft.adapters.vllm import stats
+
+        stats.reset()
+        out["llama short"], out["llama short served"], out["llama short fallbacks"] = generate(
+            paths["llama"], [SHORT], 4)
     from graft.adapters.vllm import plugin
 
     out["summary"] = plugin.activation_summary()

@@ -106,6 +106,32 @@ def _mutations(args, kwargs):
             yield f"arg{i}=huge", replaced(i, 2**40), kwargs, False
 
 
+def _paged_prefill_mutations(args, kwargs):
+    """attention.prefill_paged: whole block tables and lengths that are hostile, beyond the
+    first-element -1/huge of the generic mutations (value mutations: checks on and off)."""
+    import torch
+
+    q, key_cache, value_cache, table, cu_q, seq_lens, max_q = args
+    capacity = table.shape[1] * key_cache.shape[1]
+
+    def with_(**changes):
+        values = dict(table=table, cu_q=cu_q, seq_lens=seq_lens)
+        values.update(changes)
+        return (q, key_cache, value_cache, values["table"], values["cu_q"], values["seq_lens"], max_q)
+
+    yield "block_tables all -1", with_(table=torch.full_like(table, -1)), kwargs, True
+    yield "block_tables past num_blocks", with_(table=table + key_cache.shape[0]), kwargs, True
+    yield "block_tables int32 max", with_(table=torch.full_like(table, 2**31 - 1)), kwargs, True
+    yield "seq_lens past capacity", with_(seq_lens=seq_lens + capacity), kwargs, True
+    yield "seq_lens negative", with_(seq_lens=-seq_lens - 1), kwargs, True
+    yield "seq_lens shorter than the queries", with_(seq_lens=torch.zeros_like(seq_lens)), kwargs, True
+    yield "cu_seqlens_q decreasing", with_(cu_q=cu_q.flip(0).contiguous()), kwargs, True
+
+
+# Hostile inputs specific to an op, run after the generic ones.
+EXTRA_MUTATIONS = {"attention.prefill_paged": _paged_prefill_mutations}
+
+
 def _outcome(run, reference, case, args, kwargs, nonfinite_input=False):
     """('error' | 'match' | 'mismatch' | 'exception', detail)."""
     import torch
@@ -179,7 +205,8 @@ def _child(op: str) -> None:
     for case in chosen:
         dtype = torch.float32 if torch.float32 in case.dtypes else case.dtypes[0]
         args, kwargs = case.inputs("cpu", dtype)
-        for label, m_args, m_kwargs, reads_values in _mutations(args, kwargs):
+        extra = EXTRA_MUTATIONS.get(op, lambda a, k: ())(args, kwargs)
+        for label, m_args, m_kwargs, reads_values in [*_mutations(args, kwargs), *extra]:
             for backend, checks in [(b, c) for b in backends for c in (("1", "0") if reads_values else ("1",))]:
                 name = f"{case.id} {label} backend={backend} GRAFT_CHECK_VALUES={checks}"
                 print(json.dumps({"case": name, "started": True}), flush=True)

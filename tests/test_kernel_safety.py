@@ -163,12 +163,14 @@ def test_narrow_product_detector_flags_32_bit_stride_products():
     ]
 
 
-def test_prefill_offsets_are_64_bit_on_sm90(tmp_path):
+@pytest.mark.parametrize("module", ["attention_prefill", "attention_prefill_paged"])
+def test_prefill_offsets_are_64_bit_on_sm90(tmp_path, module):
     """q/k/v/out offsets (``token * stride``, ``head * stride``) pass 2^31 elements at about
-    350k tokens of a fused-QKV view: the kernel must compute them in int64. Compiled for
-    sm_90 with the JIT's specialisation (a subprocess: the interpreter is on in this one)."""
+    350k tokens of a fused-QKV view, and a paged cache's ``block * stride`` on caches of a few
+    GB: the kernels must compute them in int64. Compiled for sm_90 with the JIT's
+    specialisation (a subprocess: the interpreter is on in this one)."""
     code = (
-        "from graft.kernels.triton import _aot, attention_prefill as ap\n"
+        f"from graft.kernels.triton import _aot, {module} as ap\n"
         "for v in ap.AOT_VARIANTS[:1]:\n"
         "    for aligned in (True, False):\n"
         "        print(_aot.compile_variant(v, 'sm_90', aligned).asm['ttir'])\n"

@@ -24,6 +24,7 @@ SUBSET = [
     ("tests/test_gemm_quant.py::test_gptq_and_awq_layouts_agree", "gemm_w4a16"),
     ("tests/test_attention_prefill.py::test_kernel_reads_strided_views_of_fused_qkv", "attention_prefill"),
     ("tests/test_attention_decode.py::test_more_splits_than_tiles_and_odd_head_dim", "attention_decode"),
+    ("tests/test_attention_prefill_paged.py::test_kernel_reads_vllm_strided_cache_views", "attention_prefill_paged"),
     ("tests/test_moe.py::test_triton_routing_ties_and_empty", "moe_routing"),
     ("tests/test_moe.py::test_triton_align_many_chunks_and_wide_router", "moe_align"),
     ("tests/test_moe.py::test_triton_fused_experts_empty_and_strided", "moe_fused"),

@@ -477,13 +477,21 @@ def _attention_checks(backend_cls, calls) -> int:
 
     from graft.adapters.vllm.attention import split_kv_cache
 
+    import graft
+    from graft.adapters.vllm import stats
+
     heads, kv_heads, head, block, num_blocks = 4, 2, 16, 4, 24
     count = 0
     cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
     gen = torch.Generator().manual_seed(1)
+    # Prefills with context read the pages (attention.prefill_paged); with only the paged op's
+    # reference left and a kernel for attention.prefill, they gather for it (counted, logged).
+    gather = dict(GRAFT_ATTENTION_PREFILL_PAGED="torch", GRAFT_ATTENTION_PREFILL="triton")
     # (query_lens, seq_lens): decodes + chunked prefill with context + fresh prefill; then fresh prefills only.
-    for query_lens, seq_lens in (([1, 1, 3, 4], [5, 2, 7, 4]), ([3, 5], [3, 5])):
+    for config, query_lens, seq_lens in (({}, [1, 1, 3, 4], [5, 2, 7, 4]), ({}, [3, 5], [3, 5]),
+                                         (gather, [1, 1, 3, 4], [5, 2, 7, 4])):
         for dtype in (torch.float32, torch.bfloat16):
+            served, gathered = stats.served_calls(), stats.counter.fallbacks().get("attention.prefill_gather", 0)
             spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
             shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)  # vLLM's own allocation shape
             assert shape[:-1] == backend_cls.get_kv_cache_shape(num_blocks, block, kv_heads, head)[:-1]
@@ -521,7 +529,19 @@ def _attention_checks(backend_cls, calls) -> int:
                 meta = builder.build(0, common)
             impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)
             output = torch.zeros(total + pad, heads * head, dtype=dtype)
-            impl.forward(None, query, key, value, kv_cache, meta, output)
+            with graft.override_config(**config):
+                impl.forward(None, query, key, value, kv_cache, meta, output)
+            now = stats.served_calls()
+            new_ops = {k.split(":")[0] for k in now if now[k] != served.get(k, 0)}
+            has_context = seq_lens != query_lens
+            if has_context and not config:  # read through the block table, no gather
+                assert "attention.prefill_paged" in new_ops, now
+                assert stats.counter.fallbacks().get("attention.prefill_gather", 0) == gathered
+            elif has_context:
+                assert "attention.prefill_paged" not in new_ops and now.get("attention.prefill:triton"), now
+                assert stats.counter.fallbacks()["attention.prefill_gather"] == gathered + 1
+            else:  # fresh prefills: the new keys/values themselves
+                assert "attention.prefill" in new_ops and "attention.prefill_paged" not in new_ops, now
             want = torch.zeros(total, heads, head)
             t0 = 0
             for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):

@@ -2,16 +2,19 @@
 
 * decode requests (one query token) -> ``attention.decode_paged`` on the paged cache;
 * prefill / chunked-prefill requests -> ``attention.prefill`` (varlen, causal
-  bottom-right): on the fresh keys/values when no request has cached context, else on
-  keys/values gathered from the paged cache (which already holds this step's tokens).
+  bottom-right) on the fresh keys/values when no request has cached context, else
+  ``attention.prefill_paged``, which reads the context (cached tokens and this step's,
+  already written) through the block table: no gather of the pages. Where that op has no
+  kernel for the call here (its torch reference would serve) while ``attention.prefill``
+  has one, the context is gathered into a contiguous K/V for ``attention.prefill`` instead,
+  counted as ``fallback.attention.prefill_gather`` with the reason logged once.
 
 KV cache: vLLM 0.33 hands each layer a logical ``[num_blocks, num_kv_heads, block_size,
 2 * head_size]`` tensor (keys then values in the last dim, any physical stride order);
 ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives the two
 ``[num_blocks, block_size, num_kv_heads, head_size]`` views graft's decode op takes
 without copies. The cache write (a scatter by ``slot_mapping``) is plain torch, without
-host syncs. Prefills with cached context still gather that context out of the pages into
-a contiguous K/V for ``attention.prefill`` (graft has no paged-prefill op yet).
+host syncs.
 
 Scope (refused in ``__init__`` or through the ``supports_*`` hooks, so vLLM chooses
 another backend or says why): decoder self-attention only; no ALiBi, sliding window,
@@ -43,6 +46,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from graft import config, dispatch
+from graft.adapters.vllm import stats
 from graft.adapters.vllm.stats import run
 
 log = logging.getLogger("graft.vllm")
@@ -79,10 +84,25 @@ class GraftAttentionMetadata:
     prefill_cu_seqlens_k: torch.Tensor | None = None
     prefill_max_seqlen_q: int = 0
     prefill_max_seqlen_k: int = 0
-    # Where each prefill request's context lives in the paged cache, when any request
-    # has cached context (chunked prefill, prefix caching); None: use the fresh k/v.
-    prefill_kv_blocks: torch.Tensor | None = None
-    prefill_kv_offsets: torch.Tensor | None = None
+    # When any prefill request has cached context (chunked prefill, prefix caching): its
+    # context lengths (incl. this step's tokens) and block-table rows; None: use the fresh k/v.
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
+    prefill_seq_lens_cpu: torch.Tensor | None = None  # host copy, for the gather fallback only
+    _gather_index: tuple | None = None
+
+    def gather_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, slot) of every context token of the prefill requests, in order: the gather
+        fallback's index, built once per step (the metadata is shared by every layer)."""
+        if self._gather_index is None:
+            p_seq = self.prefill_seq_lens_cpu.long()
+            dev = self.prefill_block_table.device
+            # Token j of prefill request r sits in block block_table[r, j // bs] at j % bs.
+            req = torch.repeat_interleave(torch.arange(p_seq.numel()), p_seq)
+            pos = torch.arange(int(p_seq.sum())) - torch.repeat_interleave(_cumsum0(p_seq)[:-1].long(), p_seq)
+            req, pos = req.to(dev), pos.to(dev)
+            self._gather_index = (self.prefill_block_table[req, pos // block_size].long(), pos % block_size)
+        return self._gather_index
 
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
@@ -138,13 +158,38 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
         meta.prefill_max_seqlen_q = int(p_query.max())
         meta.prefill_max_seqlen_k = int(p_seq.max())
         if bool((p_seq != p_query).any()):
-            # Token j of prefill request r sits in block block_table[r, j // bs] at j % bs.
-            req = torch.repeat_interleave(torch.arange(p_seq.numel()), p_seq.long())
-            pos = torch.arange(int(p_seq.sum())) - torch.repeat_interleave(_cumsum0(p_seq)[:-1].long(), p_seq.long())
-            req, pos = req.to(dev), pos.to(dev)
-            meta.prefill_kv_blocks = meta.block_table[num_decodes + req, pos // self.block_size].long()
-            meta.prefill_kv_offsets = pos % self.block_size
+            meta.prefill_seq_lens = meta.seq_lens[num_decodes:]
+            meta.prefill_block_table = meta.block_table[num_decodes:]
+            meta.prefill_seq_lens_cpu = p_seq
         return meta
+
+
+# Per (device, dtype, heads, head size, config generation): None when attention.prefill_paged
+# serves prefills with context, else why the context is gathered for attention.prefill.
+_gather_reasons: dict = {}
+
+
+def _gather_reason(q, key, value, key_cache, value_cache, m, scale) -> str | None:
+    """Whether graft's paged prefill has a kernel for this call, decided once per configuration.
+
+    Its torch reference gathers per sequence in Python; where attention.prefill has a
+    kernel here and the paged op has none (a backend without one, an unsupported head
+    size), gathering once and running that kernel is faster."""
+    key_ = (q.device, q.dtype, q.shape[1], q.shape[2], config.current().generation)
+    if key_ in _gather_reasons:
+        return _gather_reasons[key_]
+    paged = dispatch.select("attention.prefill_paged", q, key_cache, value_cache, m.prefill_block_table,
+                            m.prefill_cu_seqlens_q, m.prefill_seq_lens, m.prefill_max_seqlen_q, m.causal, scale)
+    reason = None
+    if paged.backend == config.REFERENCE_BACKEND:
+        flat = dispatch.select("attention.prefill", q, key, value, m.prefill_cu_seqlens_q, m.prefill_cu_seqlens_k,
+                               m.prefill_max_seqlen_q, m.prefill_max_seqlen_k, m.causal, scale)
+        if flat.backend != config.REFERENCE_BACKEND:
+            reason = (f"attention.prefill_paged has no kernel for {str(q.dtype).replace('torch.', '')} head size "
+                      f"{q.shape[2]} on {q.device.type} here (only its torch reference), attention.prefill runs on "
+                      f"{flat.backend}: gathering the cached K/V out of the pages for it")
+    _gather_reasons[key_] = reason
+    return reason
 
 
 class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
@@ -242,11 +287,26 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             )
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
-            if m.prefill_kv_blocks is None:
-                k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
-            else:
-                k = key_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
-                v = value_cache[m.prefill_kv_blocks, m.prefill_kv_offsets]
+            k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
+            if m.prefill_seq_lens is not None:
+                reason = _gather_reason(q, k, v, key_cache, value_cache, m, self.scale)
+                if reason is None:
+                    out[nd:] = run(
+                        "attention.prefill_paged",
+                        q,
+                        key_cache,
+                        value_cache,
+                        m.prefill_block_table,
+                        m.prefill_cu_seqlens_q,
+                        m.prefill_seq_lens,
+                        m.prefill_max_seqlen_q,
+                        m.causal,
+                        self.scale,
+                    )
+                    return output
+                stats.fallback("attention.prefill_gather", reason)
+                blocks, slots = m.gather_index(key_cache.shape[1])
+                k, v = key_cache[blocks, slots], value_cache[blocks, slots]
             out[nd:] = run(
                 "attention.prefill",
                 q,

@@ -44,6 +44,24 @@ softmax_scale=None, num_splits=0)``: one query token per sequence.
   no part in the softmax; a row with no valid token outputs zeros). The reference
   defines the same results.
 
+``attention.prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+max_seqlen_q, causal=False, softmax_scale=None)``: prefill (or a chunk of one) whose keys and
+values are read from the paged cache, as vLLM runs prefills with cached context (prefix
+caching, chunked prefill). Forward only (inference): no backward is registered.
+
+* ``q`` is packed as in ``attention.prefill`` (``cu_seqlens_q``, ``max_seqlen_q``);
+  ``key_cache``/``value_cache``/``block_tables`` are as in ``attention.decode_paged``.
+* ``seq_lens[b]`` is sequence ``b``'s whole context in the cache: the cached tokens *and*
+  this step's, already written there (vLLM writes the cache before attention). Its keys are
+  tokens ``0 .. seq_lens[b] - 1`` through its block-table row; its ``seqlen_q`` queries are
+  the last ``seqlen_q`` of them, so ``causal`` is bottom-right aligned as in
+  ``attention.prefill`` (query ``i`` sees keys ``j <= i + seq_len - seqlen_q``) and
+  ``seqlen_q <= seq_len``. With no cached context it equals ``attention.prefill`` on the
+  contiguous keys/values.
+* Out-of-range values (value checks off) are handled as in both ops above: ``cu_seqlens_q``
+  clamped to the packed rows, ``seq_len`` clamped into ``[0, capacity]``, tokens of a table
+  entry outside ``[0, num_blocks)`` skipped, a row that sees no key outputs zeros.
+
 Validation (``GraftInputError``) checks dtypes, ranks, shapes, GQA divisibility, index
 dtypes and devices from metadata, and reads ``cu_seqlens_*`` / ``seq_lens`` back from the
 device for the value checks (start at 0, non-decreasing, totals, ``max_seqlen`` bounds,
@@ -72,10 +90,15 @@ INDEX_DTYPES = (torch.int32,)
 # --------------------------------------------------------------------------- references
 
 
-def _attend(q, k, v, scale, causal):
-    """One sequence: q [Sq, H, D], k/v [Sk, KVH, D] -> fp32 [Sq, H, D]. Plain fp32 math."""
+def _attend(q, k, v, scale, causal, key_pos=None, context_len=None):
+    """One sequence: q [Sq, H, D], k/v [Sk, KVH, D] -> fp32 [Sq, H, D]. Plain fp32 math.
+
+    ``key_pos``/``context_len``: the keys are the tokens at ``key_pos`` of a context of
+    ``context_len`` tokens (some skipped); the causal diagonal follows those positions."""
     sq, num_heads, _ = q.shape
     sk, num_kv_heads, _ = k.shape
+    if key_pos is None:
+        key_pos, context_len = torch.arange(sk, device=q.device), sk
     group = num_heads // num_kv_heads
     qf = q.float().transpose(0, 1)  # [H, Sq, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
@@ -83,8 +106,8 @@ def _attend(q, k, v, scale, causal):
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Sq, Sk]
     if causal:
         rows = torch.arange(sq, device=q.device)[:, None]
-        cols = torch.arange(sk, device=q.device)[None, :]
-        visible = cols <= rows + (sk - sq)  # bottom-right aligned
+        cols = key_pos[None, :]
+        visible = cols <= rows + (context_len - sq)  # bottom-right aligned
         scores = scores.masked_fill(~visible, float("-inf"))
     if sk == 0:
         return torch.zeros(sq, num_heads, q.shape[-1], dtype=torch.float32, device=q.device)
@@ -118,22 +141,58 @@ def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    capacity = block_tables.shape[1] * block_size
+    capacity = block_tables.shape[1] * key_cache.shape[1]
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
         n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
-        if n == 0:
-            continue
-        blocks = block_tables[s, : (n + block_size - 1) // block_size].long()
         # Tokens of a table entry outside [0, num_blocks) are skipped (see the module doc).
-        ok = ((blocks >= 0) & (blocks < num_blocks)).repeat_interleave(block_size)[:n]
-        blocks = blocks.clamp(0, max(num_blocks - 1, 0))
-        if not bool(ok.any()):
+        context = _paged_context(key_cache, value_cache, block_tables[s], n) if n else None
+        if context is None:
             continue
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+        k, v, _ = context
         out[s] = _attend(query[s : s + 1], k, v, scale, causal=False)[0].to(query.dtype)
+    return out
+
+
+def _paged_context(key_cache, value_cache, table_row, n):
+    """Sequence keys/values of the first ``n`` cache tokens of one table row, without the
+    tokens of entries outside [0, num_blocks): (k, v, their positions or None when none is
+    skipped), or None if no token is left."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    blocks = table_row[: (n + block_size - 1) // block_size].long()
+    block_ok = (blocks >= 0) & (blocks < num_blocks)
+    if bool(block_ok.all()):  # the usual case: no masking needed
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
+        return k, value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n], None
+    ok = block_ok.repeat_interleave(block_size)[:n]
+    if not bool(ok.any()):
+        return None
+    blocks = blocks.clamp(0, num_blocks - 1)
+    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    return k, v, torch.arange(n, device=key_cache.device)[ok]
+
+
+def prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                            causal=False, softmax_scale=None):
+    scale = _scale_or_default(softmax_scale, q.shape[-1])
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    out = torch.zeros_like(q)
+    starts_q = cu_seqlens_q.tolist()
+    total_q = q.shape[0]
+    for b, n in enumerate(seq_lens.tolist()):
+        # The same clamps as attention.prefill (cu_seqlens_q) and decode_paged (seq_len).
+        q0 = min(max(starts_q[b], 0), total_q)
+        q1 = min(max(starts_q[b + 1], q0), total_q)
+        n = min(max(n, 0), capacity)
+        if q1 == q0 or n == 0:
+            continue
+        context = _paged_context(key_cache, value_cache, block_tables[b], n)
+        if context is None:
+            continue
+        k, v, pos = context
+        out[q0:q1] = _attend(q[q0:q1], k, v, scale, causal, key_pos=pos, context_len=None if pos is None else n
+                             ).to(q.dtype)
     return out
 
 
@@ -241,54 +300,112 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
             and not checks_values_on(seq_lens)):
         return
     op = "attention.decode_paged"
-    check_tensor(f"{op}: query", query, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)
-    check_tensor(f"{op}: value_cache", value_cache, dtypes=FLOAT_DTYPES, ndim=4)
-    check_tensor(f"{op}: block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
-    check_tensor(f"{op}: seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
-    check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
-    check_same_device(
-        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens
-    )
-    if key_cache.shape != value_cache.shape:
-        raise GraftInputError(
-            f"{op}: key_cache and value_cache must have the same shape [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if head_dim != cache_head_dim:
-        raise GraftInputError(f"{op}: head_dim of query ({head_dim}) and the caches ({cache_head_dim}) differ")
-    if block_size < 1:
-        raise GraftInputError(f"{op}: block_size (key_cache.shape[1]) must be >= 1")
-    _check_heads(op, "query", num_heads, num_kv_heads)
-    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
-        raise GraftInputError(
-            f"{op}: block_tables has {block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries; "
-            f"both must equal num_seqs={num_seqs}"
-        )
+    _check_paged_metadata(op, "query", query, key_cache, value_cache, block_tables, seq_lens)
+    num_seqs = query.shape[0]
     splits = _as_int("num_splits", num_splits, op)
     if splits < 0:
         raise GraftInputError(f"{op}: num_splits must be >= 0 (0 = choose automatically), got {splits}")
     _check_scale(op, softmax_scale)
     if num_seqs and can_read_values(seq_lens):
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        capacity = block_tables.shape[1] * block_size
-        if lo < 0 or hi > capacity:
-            raise GraftInputError(
-                f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
-            )
-        # The block-table entries the lengths use must name physical blocks of the caches.
-        used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
-            (seq_lens.long() + block_size - 1) // block_size
-        )[:, None]
-        num_blocks = key_cache.shape[0]
-        bad = block_tables[used & ((block_tables < 0) | (block_tables >= num_blocks))]
-        if bad.numel():
-            raise GraftInputError(
-                f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
-                f"got {int(bad[0])} ({bad.numel()} such entries)"
-            )
+        _check_paged_values(op, key_cache, block_tables, seq_lens)
+
+
+def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_tables, seq_lens, num_seqs=None):
+    """Dtypes, ranks, shapes and devices of a paged KV cache and its table (no value read);
+    ``num_seqs`` defaults to the query's first dimension (one token per sequence)."""
+    check_tensor(f"{op}: {q_name}", query, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(f"{op}: value_cache", value_cache, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(f"{op}: block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
+    check_tensor(f"{op}: seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
+    check_same_dtype(**{q_name: query, "key_cache": key_cache, "value_cache": value_cache})
+    check_same_device(**{q_name: query, "key_cache": key_cache, "value_cache": value_cache,
+                         "block_tables": block_tables, "seq_lens": seq_lens})
+    if key_cache.shape != value_cache.shape:
+        raise GraftInputError(
+            f"{op}: key_cache and value_cache must have the same shape [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = query.shape[0] if num_seqs is None else num_seqs
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if head_dim != cache_head_dim:
+        raise GraftInputError(f"{op}: head_dim of {q_name} ({head_dim}) and the caches ({cache_head_dim}) differ")
+    if block_size < 1:
+        raise GraftInputError(f"{op}: block_size (key_cache.shape[1]) must be >= 1")
+    _check_heads(op, q_name, num_heads, num_kv_heads)
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise GraftInputError(
+            f"{op}: block_tables has {block_tables.shape[0]} rows and seq_lens {seq_lens.shape[0]} entries; "
+            f"both must equal num_seqs={num_seqs}"
+        )
+
+
+def _check_paged_values(op, key_cache, block_tables, seq_lens):
+    """seq_lens within the table's capacity; the table entries they use name blocks of the caches."""
+    block_size = key_cache.shape[1]
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    capacity = block_tables.shape[1] * block_size
+    if lo < 0 or hi > capacity:
+        raise GraftInputError(
+            f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
+        )
+    used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
+        (seq_lens.long() + block_size - 1) // block_size
+    )[:, None]
+    num_blocks = key_cache.shape[0]
+    bad = block_tables[used & ((block_tables < 0) | (block_tables >= num_blocks))]
+    if bad.numel():
+        raise GraftInputError(
+            f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
+            f"got {int(bad[0])} ({bad.numel()} such entries)"
+        )
+
+
+def validate_prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                           causal=False, softmax_scale=None):
+    # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
+    if (isinstance(q, torch.Tensor) and isinstance(key_cache, torch.Tensor)
+            and isinstance(value_cache, torch.Tensor) and isinstance(block_tables, torch.Tensor)
+            and isinstance(cu_seqlens_q, torch.Tensor) and isinstance(seq_lens, torch.Tensor)
+            and q.dtype in _FLOAT_SET and key_cache.dtype == q.dtype and value_cache.dtype == q.dtype
+            and block_tables.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
+            and seq_lens.dtype == torch.int32 and q.ndim == 3 and key_cache.ndim == 4 and block_tables.ndim == 2
+            and cu_seqlens_q.ndim == 1 and seq_lens.ndim == 1 and key_cache.shape == value_cache.shape
+            and q.shape[2] == key_cache.shape[3] and key_cache.shape[1] >= 1 and key_cache.shape[2]
+            and not q.shape[1] % key_cache.shape[2] and cu_seqlens_q.shape[0] >= 1
+            and block_tables.shape[0] == cu_seqlens_q.shape[0] - 1 and seq_lens.shape[0] == block_tables.shape[0]
+            and type(max_seqlen_q) is int and max_seqlen_q >= 0 and type(causal) is bool
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and key_cache.device == q.device and value_cache.device == q.device
+            and block_tables.device == q.device and cu_seqlens_q.device == q.device and seq_lens.device == q.device
+            and not checks_values_on(seq_lens)):
+        return
+    op = "attention.prefill_paged"
+    check_tensor(f"{op}: cu_seqlens_q", cu_seqlens_q, dtypes=INDEX_DTYPES, ndim=1)
+    if cu_seqlens_q.shape[0] < 1:
+        raise GraftInputError(f"{op}: cu_seqlens_q must have batch+1 >= 1 entries, got 0")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    _check_paged_metadata(op, "q", q, key_cache, value_cache, block_tables, seq_lens, num_seqs)
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
+    max_q = _as_int("max_seqlen_q", max_seqlen_q, op)
+    if max_q < 0:
+        raise GraftInputError(f"{op}: max_seqlen_q must be >= 0, got {max_q}")
+    if not isinstance(causal, bool):
+        raise GraftInputError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    _check_scale(op, softmax_scale)
+    if can_read_values(cu_seqlens_q):
+        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, exact_total=True)
+        if num_seqs:
+            _check_paged_values(op, key_cache, block_tables, seq_lens)
+            query_lens = torch.diff(cu_seqlens_q)
+            short = (query_lens > seq_lens).nonzero()
+            if short.numel():
+                b = int(short[0, 0])
+                raise GraftInputError(
+                    f"{op}: sequence {b} has {int(query_lens[b])} query tokens but seq_lens[{b}] = {int(seq_lens[b])}; "
+                    "the queries are the last tokens of the context, so seq_len >= seqlen_q"
+                )
 
 
 # --------------------------------------------------------------------------- ops and entry points
@@ -307,6 +424,20 @@ OPS = [
         validate=validate_prefill,
         dtypes=FLOAT_DTYPES,
         grad_inputs=(0, 1, 2),
+    ),
+    OpSpec(
+        name="attention.prefill_paged",
+        family="attention",
+        signature=(
+            "prefill_paged(q[Tq,H,D], key_cache[NB,BS,KVH,D], value_cache[NB,BS,KVH,D], block_tables[B,MB] int32, "
+            "cu_seqlens_q[B+1] int32, seq_lens[B] int32, max_seqlen_q: int, causal: bool = False, "
+            "softmax_scale: float | None = None) -> [Tq,H,D]"
+        ),
+        reference=prefill_paged_reference,
+        description="prefill attention reading cached context from a paged KV cache (vLLM layout, causal "
+                    "bottom-right, GQA; forward only)",
+        validate=validate_prefill_paged,
+        dtypes=FLOAT_DTYPES,
     ),
     OpSpec(
         name="attention.decode_paged",
@@ -350,6 +481,15 @@ def prefill_padded(q, k, v, causal=False, softmax_scale=None):
     cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32, device=q.device)
     out = prefill(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, sq, sk, causal, softmax_scale)
     return out.view(q.shape)
+
+
+def prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, causal=False,
+                  softmax_scale=None):
+    """Prefill attention over a paged KV cache (context + this step's tokens); see the module docstring."""
+    return call(
+        "attention.prefill_paged", q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+        causal=causal, softmax_scale=softmax_scale,
+    )
 
 
 def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
@@ -400,6 +540,19 @@ def make_decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     return args, {"num_splits": num_splits}
 
 
+def make_prefill_paged_inputs(seqlens_q, context_lens, num_heads, num_kv_heads, head_dim, block_size, causal, device,
+                              dtype, gen, spare_blocks=3):
+    """Queries for the last ``seqlens_q[b]`` tokens of contexts of ``seqlens_q[b] + context_lens[b]``
+    tokens, held in a paged cache whose blocks are scattered at random (deterministic in ``gen``)."""
+    seq_lens = [q + c for q, c in zip(seqlens_q, context_lens)]
+    (_, key_cache, value_cache, block_tables, lens), _ = make_decode_inputs(
+        seq_lens, num_heads, num_kv_heads, head_dim, block_size, device, dtype, gen, spare_blocks=spare_blocks)
+    q = _randn((sum(seqlens_q), num_heads, head_dim), dtype, device, gen)
+    cu_q = torch.tensor([0] + list(_cumsum(seqlens_q)), dtype=torch.int32, device=device)
+    args = (q, key_cache, value_cache, block_tables, cu_q, lens, max(seqlens_q, default=0))
+    return args, {"causal": causal}
+
+
 def _cumsum(values):
     total = 0
     for x in values:
@@ -433,6 +586,34 @@ def _prefill_reduction(args, kwargs):
 
 def _decode_reduction(args, kwargs):
     return max(int(args[4].max()) if args[4].numel() else 0, args[0].shape[-1])
+
+
+def _prefill_paged_flops(args, kwargs):
+    q, _, _, _, cu_q, seq_lens = args[:6]
+    return _prefill_flops((q, None, None, cu_q, _cumsum0_tensor(seq_lens)), kwargs)
+
+
+def _cumsum0_tensor(lengths):
+    return torch.tensor([0] + list(_cumsum(lengths.tolist())), dtype=torch.int32)
+
+
+def _prefill_paged_reduction(args, kwargs):
+    seq_lens = args[5]
+    return max(int(seq_lens.max()) if seq_lens.numel() else 0, args[0].shape[-1])
+
+
+def _prefill_paged_case(name, seqlens_q, context_lens, heads, kv_heads, head_dim, block_size, causal,
+                        tags=frozenset({"quick"})):
+    return OpCase(
+        op="attention.prefill_paged",
+        name=name,
+        make_inputs=lambda device, dtype, gen: make_prefill_paged_inputs(
+            seqlens_q, context_lens, heads, kv_heads, head_dim, block_size, causal, device, dtype, gen
+        ),
+        tags=tags,
+        flops=_prefill_paged_flops,
+        reduction=_prefill_paged_reduction,
+    )
 
 
 def _prefill_case(name, seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal, tags=frozenset({"quick"})):
@@ -469,10 +650,22 @@ CASES = [
     _prefill_case("b3_empty_seq_h2_d64_causal", [9, 0, 4], [9, 0, 4], 2, 1, 64, True),
     _decode_case("n4_odd_lens_h4_kv2_d64_bs16", [1, 17, 32, 45], 4, 2, 64, 16),
     _decode_case("n3_zero_len_h4_kv1_d128_bs8_split3", [0, 9, 70], 4, 1, 128, 8, num_splits=3),
+    # Paged prefill: block sizes that do not divide the lengths, zero context, an empty
+    # query, an empty batch; the first is the smallest (the fuzz module starts from it).
+    _prefill_paged_case("b2_ctx_h2_kv1_d64_bs5_causal", [3, 6], [7, 0], 2, 1, 64, 5, True),
+    _prefill_paged_case("b3_ctx_h4_kv2_d64_bs16_causal", [1, 7, 20], [0, 33, 5], 4, 2, 64, 16, True),
+    _prefill_paged_case("b4_odd_empty_q_h4_kv1_d128_bs8_causal", [3, 0, 11, 1], [17, 4, 2, 60], 4, 1, 128, 8, True),
+    _prefill_paged_case("b2_zero_ctx_h2_kv2_d64_bs16_causal", [9, 17], [0, 0], 2, 2, 64, 16, True),
+    _prefill_paged_case("b2_ctx_h4_kv2_d64_bs16", [5, 12], [30, 3], 4, 2, 64, 16, False),
+    _prefill_paged_case("b0_empty_batch_h2_kv1_d64_bs16", [], [], 2, 1, 64, 16, True),
     _prefill_case("b8_s2048_h32_kv8_d128_causal", [2048] * 8, [2048] * 8, 32, 8, 128, True, _GPU),
     _prefill_case("b8_s2048_h32_kv8_d128", [2048] * 8, [2048] * 8, 32, 8, 128, False, _GPU),
     _prefill_case("b4_ragged_h32_kv8_d64_causal", [4000, 1000, 3000, 129], [4000, 1000, 3000, 129], 32, 8, 64, True,
                   _GPU),
+    # Chunked prefill / prefix caching: 512 new tokens after 1.5k-3.5k cached ones.
+    _prefill_paged_case("b8_q512_ctx3584_h32_kv8_d128_bs16_causal", [512] * 8, [3584] * 8, 32, 8, 128, 16, True, _GPU),
+    _prefill_paged_case("b4_ragged_ctx_h32_kv8_d128_bs16_causal", [2048, 512, 1000, 64], [0, 1536, 3000, 8000], 32, 8,
+                        128, 16, True, _GPU),
     _decode_case("n64_ctx4096_h32_kv8_d128_bs16", [4096] * 64, 32, 8, 128, 16, tags=_GPU),
     _decode_case("n8_ctx32768_h32_kv8_d128_bs16", [32768] * 8, 32, 8, 128, 16, tags=_GPU),
 ]
