@@ -95,13 +95,15 @@ class GraftAttentionMetadata:
         """(block, slot) of every context token of the prefill requests, in order: the gather
         fallback's index, built once per step (the metadata is shared by every layer)."""
         if self._gather_index is None:
+            assert self.prefill_seq_lens_cpu is not None and self.prefill_block_table is not None  # context present
             p_seq = self.prefill_seq_lens_cpu.long()
-            dev = self.prefill_block_table.device
+            block_table = self.prefill_block_table
+            dev = block_table.device
             # Token j of prefill request r sits in block block_table[r, j // bs] at j % bs.
             req = torch.repeat_interleave(torch.arange(p_seq.numel()), p_seq)
             pos = torch.arange(int(p_seq.sum())) - torch.repeat_interleave(_cumsum0(p_seq)[:-1].long(), p_seq)
             req, pos = req.to(dev), pos.to(dev)
-            self._gather_index = (self.prefill_block_table[req, pos // block_size].long(), pos % block_size)
+            self._gather_index = (block_table[req, pos // block_size].long(), pos % block_size)
         return self._gather_index
 
 
