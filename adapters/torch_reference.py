@@ -27,10 +27,10 @@ def graft_register_kernels(registry):
             registry.add_impl(reference_impl(spec, provider=""))
     # Where torch has a faster kernel for the same math, graft's torch backend uses it
     # (ranked above the reference, which stays the definition and last resort).
-    from graft.ops import attention, fused, optim
+    from graft.ops import attention, fused, loss, optim
 
     if optim.OP in registry.ops:
         registry.add_impl(optim.torch_implementation())
-    for impl in attention.torch_implementations() + fused.torch_implementations():
+    for impl in attention.torch_implementations() + fused.torch_implementations() + loss.torch_implementations():
         if impl.op in registry.ops:
             registry.add_impl(impl)
