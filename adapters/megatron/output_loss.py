@@ -26,16 +26,13 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from graft import config
 from graft.adapters.megatron._autograd import call_with_reference_grad
+from graft.adapters.megatron.activation import FUSED_LOSS_ENV_VAR
 from graft.adapters.megatron.stats import fallback
 from graft.ops.loss import fused_linear_cross_entropy_reference
 
 log = logging.getLogger("graft.integration.megatron")
 
-ENV_VAR = config.declare_env_var(
-    "GRAFT_MEGATRON_FUSED_LOSS",
-    "1: graft.adapters.megatron.GraftGPTModel computes its output layer and loss with "
-    "loss.fused_linear_cross_entropy when labels are given (no logits tensor); default 0",
-)
+ENV_VAR = FUSED_LOSS_ENV_VAR  # declared with the integration's switch (graft info knows it without Megatron)
 OP = "loss.fused_linear_cross_entropy"
 FALLBACK = "fused_output_loss"
 
