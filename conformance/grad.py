@@ -7,7 +7,8 @@ seeded cotangent for every floating-point output, and ``torch.autograd.grad`` gi
 gradient; every input's gradient is compared with the tolerance of
 :func:`graft.conformance.tolerances.grad_tolerance_for`. An implementation whose custom op has
 no backward registered (graft.custom_ops.register_backward) is reported as skipped: training
-through it recomputes the torch reference.
+through it recomputes the torch reference. graft's torch-backend implementations (torch
+ops such as ``F.scaled_dot_product_attention``) are checked through their autograd.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def differentiable(op: str) -> bool:
 
 
 def no_backward_reason(impl) -> str | None:
+    if impl.backend == "torch":  # graft's torch backend is torch ops: autograd differentiates them
+        return None
     if not has_backward(impl.custom_op):
         return "no backward registered for this implementation (training recomputes the torch reference)"
     return None

@@ -5,6 +5,8 @@ attention and MoE experts run on graft ops.
     layer_spec = get_gpt_layer_graft_spec(num_experts=None, qk_layernorm=False)
     model = GPTModel(config, transformer_layer_spec=layer_spec, ...)
 
+``GraftGPTModel`` (a ``GPTModel``) can also run the output layer and loss as one
+``loss.fused_linear_cross_entropy`` call (``fused_loss=True`` or ``GRAFT_MEGATRON_FUSED_LOSS=1``).
 ``GRAFT_MEGATRON=0`` makes ``get_gpt_layer_graft_spec`` return Megatron's own local spec.
 Importing this package does not import Megatron; the spec helpers do, on first use.
 """
@@ -19,6 +21,10 @@ def get_gpt_layer_graft_spec(*args, **kwargs):
 
 
 def __getattr__(name):
+    if name == "GraftGPTModel":
+        from graft.adapters.megatron.output_loss import GraftGPTModel
+
+        return GraftGPTModel
     if name == "GraftSpecProvider":
         from graft.adapters.megatron.spec import GraftSpecProvider
 
@@ -27,4 +33,4 @@ def __getattr__(name):
 
 
 __all__ = ["ENV_VAR", "SUPPORTED", "activate", "enabled", "integration", "calls", "get_gpt_layer_graft_spec",
-           "GraftSpecProvider"]
+           "GraftSpecProvider", "GraftGPTModel"]

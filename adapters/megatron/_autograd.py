@@ -16,16 +16,20 @@ from __future__ import annotations
 import torch
 
 from graft.adapters.megatron.stats import count, fallback
+from graft.custom_ops import has_backward
+from graft.dispatch import run
 
 
 class _ReferenceGrad(torch.autograd.Function):
+    """Output already computed by a forward-only kernel; backward differentiates the reference."""
+
     @staticmethod
-    def forward(ctx, fn, reference, *tensors):
+    def forward(ctx, out, reference, *tensors):
         ctx.reference = reference
         ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else None for t in tensors])
         ctx.kinds = [isinstance(t, torch.Tensor) for t in tensors]
         ctx.others = [None if isinstance(t, torch.Tensor) else t for t in tensors]
-        return fn(*tensors)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -44,21 +48,34 @@ class _ReferenceGrad(torch.autograd.Function):
         return (None, None) + tuple(by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in inputs)
 
 
-def call_with_reference_grad(op: str, entry_point, reference, *args):
-    """``entry_point(*args)`` (a graft op's public function), differentiable.
+def _trains_itself(impl) -> bool:
+    """Whether autograd through ``impl``'s output is already right: a torch implementation
+    (autograd records its torch ops) or a custom op with a registered backward."""
+    known = _TRAINS.get(id(impl))
+    if known is None or known[0] is not impl:
+        known = _TRAINS[id(impl)] = (impl, impl.backend == "torch" or has_backward(impl.custom_op))
+    return known[1]
 
-    The selected implementation's registered backward is used when it has one; otherwise
-    ``reference`` (the op's torch reference, same positional arguments) is recomputed in
-    backward, counted and logged.
+
+# id(Implementation) -> (the implementation, whether it trains itself). By id: hashing the
+# frozen dataclass would hash all its fields on every call; the entry keeps it alive.
+_TRAINS: dict = {}
+
+
+def call_with_reference_grad(op: str, reference, *args):
+    """``graft.dispatch.run(op, *args)`` (one validation and selection), counted under the
+    implementation that served it, differentiable.
+
+    The implementation's own autograd is used when it has one (a torch implementation, or a
+    kernel with a registered backward); otherwise its output is kept and, in backward,
+    ``reference`` (the op's torch reference, same positional arguments) is recomputed and
+    differentiated, counted as ``fallback.reference_backward`` and logged.
     """
-    from graft.custom_ops import has_backward
-    from graft.dispatch import select
-
-    impl = select(op, *args)
+    out, impl = run(op, *args)
     count(f"{op}:{impl.backend}")
-    needs_grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-    if not needs_grad or impl.backend == "torch" or has_backward(impl.custom_op):
-        return entry_point(*args)
+    if _trains_itself(impl) or not torch.is_grad_enabled() \
+            or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return out
     fallback("reference_backward", f"{op}: the {impl.backend} implementation has no registered backward; "
                                    "backward recomputes the torch reference")
-    return _ReferenceGrad.apply(entry_point, reference, *args)
+    return _ReferenceGrad.apply(out.detach(), reference, *args)

@@ -29,21 +29,22 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
 from graft.adapters.megatron.stats import counter, fallback
+from graft.dispatch import run
+from graft.ops.attention import prefill_reference
+from graft.ops.fused import layer_norm_reference, rms_norm_reference
+from graft.ops.gemm import linear_reference
+from graft.ops.moe import fused_experts_reference
 
 # ---------------------------------------------------------------------------- linear layers
 
 
 def graft_linear(x, weight, bias=None):
-    from graft.ops import gemm
-
-    return call_with_reference_grad("gemm.linear", gemm.linear, gemm.linear_reference, x, weight, bias)
+    return call_with_reference_grad("gemm.linear", linear_reference, x, weight, bias)
 
 
 def _linear_no_grad(x, weight, bias=None):
     """The forward of a linear whose gradients another autograd function computes: one
     ``gemm.linear`` dispatch, counted under the implementation that served it."""
-    from graft.dispatch import run
-
     out, impl = run("gemm.linear", x, weight, bias)
     counter.served("gemm.linear", impl.backend)
     return out
@@ -145,10 +146,7 @@ class GraftRMSNorm(_GraftNormBase):
     """
 
     def forward(self, x):
-        from graft.ops import fused
-
-        return call_with_reference_grad("fused.rms_norm", fused.rms_norm, fused.rms_norm_reference, x,
-                                        self._scale(x), self.eps)
+        return call_with_reference_grad("fused.rms_norm", rms_norm_reference, x, self._scale(x), self.eps)
 
 
 class GraftLayerNorm(_GraftNormBase):
@@ -162,23 +160,16 @@ class GraftLayerNorm(_GraftNormBase):
         setattr(self.bias, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x):
-        from graft.ops import fused
-
         bias = self.bias.to(x.dtype) if self.bias.dtype != x.dtype else self.bias
-        return call_with_reference_grad("fused.layer_norm", fused.layer_norm, fused.layer_norm_reference, x,
-                                        self._scale(x), bias, self.eps)
+        return call_with_reference_grad("fused.layer_norm", layer_norm_reference, x, self._scale(x), bias, self.eps)
 
 
 # ---------------------------------------------------------------------------- core attention
 
 
 def _prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    from graft.ops import attention
-
-    return call_with_reference_grad(
-        "attention.prefill", attention.prefill, attention.prefill_reference, q, k, v, cu_q, cu_k, max_q, max_k,
-        causal, scale,
-    )
+    return call_with_reference_grad("attention.prefill", prefill_reference, q, k, v, cu_q, cu_k, max_q, max_k,
+                                    causal, scale)
 
 
 _verified_mask = [None]  # (tensor, version) of the last mask found causal: layers of a step share one
@@ -223,6 +214,21 @@ class GraftDotProductAttention(DotProductAttention):
     non-vanilla softmax, sliding windows and query-key layer scaling.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._config_reason = self._static_reason()
+        self._cu_seqlens = {}  # (batch, seq, device) -> the uniform batch's cu_seqlens (int32)
+
+    def _static_reason(self) -> str | None:
+        """What in the config (fixed once the layer is built) needs Megatron's own attention."""
+        if self.config.softmax_type != "vanilla":
+            return f"softmax_type={self.config.softmax_type}"
+        if self.config.window_size is not None:
+            return "sliding window"
+        if self.config.apply_query_key_layer_scaling:
+            return "apply_query_key_layer_scaling"
+        return None
+
     def _megatron_reason(self, attention_mask, attention_bias, mask_type, sq=None, sk=None) -> str | None:
         if attention_mask is not None and not (mask_type == AttnMaskType.causal and _is_causal_mask(attention_mask, sq, sk)):
             return "explicit attention_mask"
@@ -230,15 +236,22 @@ class GraftDotProductAttention(DotProductAttention):
             return "attention_bias"
         if self.training and self.attention_dropout.p > 0:
             return "attention dropout"
-        if self.config.softmax_type != "vanilla":
-            return f"softmax_type={self.config.softmax_type}"
-        if self.config.window_size is not None:
-            return "sliding window"
-        if self.config.apply_query_key_layer_scaling:
-            return "apply_query_key_layer_scaling"
+        if self._config_reason is not None:
+            return self._config_reason
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
             return f"mask type {mask_type}"
         return None
+
+    def _uniform_cu_seqlens(self, batch: int, seq: int, device):
+        """``[0, seq, 2*seq, ...]``: every batch element is one sequence. Kept per shape (read
+        only by the op), so a step does not rebuild it in every layer and pass."""
+        key = (batch, seq, device)
+        cu = self._cu_seqlens.get(key)
+        if cu is None:
+            if len(self._cu_seqlens) >= 8:  # shapes vary (e.g. eval lengths): stay bounded
+                self._cu_seqlens.clear()
+            cu = self._cu_seqlens[key] = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=device)
+        return cu
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -263,8 +276,8 @@ class GraftDotProductAttention(DotProductAttention):
         q = query.transpose(0, 1).reshape(batch * sq, *query.shape[2:])
         k = key.transpose(0, 1).reshape(batch * sk, *key.shape[2:])
         v = value.transpose(0, 1).reshape(batch * sk, *value.shape[2:])
-        cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=query.device)
-        cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32, device=query.device)
+        cu_q = self._uniform_cu_seqlens(batch, sq, query.device)
+        cu_k = cu_q if sk == sq else self._uniform_cu_seqlens(batch, sk, query.device)
         out = _prefill(q, k, v, cu_q, cu_k, sq, sk, causal, self.softmax_scale)
         return out.view(batch, sq, -1).transpose(0, 1).contiguous()
 
@@ -283,6 +296,10 @@ class GraftSequentialMLP(SequentialMLP):
     clamps, offsets, fp8/fp4 or expert tensor parallelism; otherwise Megatron's loop runs.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._config_reason = self._megatron_reason()  # config and expert layout are fixed once built
+
     def _megatron_reason(self) -> str | None:
         c = self.config
         if not (c.gated_linear_unit and c.activation_func is F.silu):
@@ -300,12 +317,10 @@ class GraftSequentialMLP(SequentialMLP):
         return None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        reason = self._megatron_reason()
+        reason = self._config_reason
         if reason is not None:
             fallback("GraftSequentialMLP", reason)
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        from graft.ops import moe
-
         hidden = permuted_local_hidden_states
         w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]: gate rows, then up
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
@@ -313,7 +328,7 @@ class GraftSequentialMLP(SequentialMLP):
         expert_ids = torch.repeat_interleave(torch.arange(len(self.local_experts), device=hidden.device), counts)
         topk_ids = expert_ids.to(torch.int32).unsqueeze(1)
         topk_weights = permuted_probs.to(hidden.dtype).unsqueeze(1)
-        out = call_with_reference_grad("moe.fused_experts", moe.fused_experts, moe.fused_experts_reference,
+        out = call_with_reference_grad("moe.fused_experts", fused_experts_reference,
                                        hidden, w13, w2, topk_weights, topk_ids, "silu")
         return out, None
 

@@ -139,6 +139,79 @@ def prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return out
 
 
+def _sdpa_serves(sq, sk, causal) -> bool:
+    """Whether torch's SDPA computes what the reference defines for one sequence: some query
+    and key, and (causal) every query row sees a key, so no row is the reference's zero row."""
+    return sq > 0 and sk > 0 and (not causal or sq <= sk)
+
+
+def _sdpa(q, k, v, scale, causal):
+    """q [B, Sq, H, D], k/v [B, Sk, KVH, D] -> [B, Sq, H, D] through F.scaled_dot_product_attention
+    (bottom-right causal; GQA without repeating K/V)."""
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal and sq != sk:  # SDPA's is_causal is top-left aligned: bottom-right needs the mask
+        rows = torch.arange(sq, device=q.device)[:, None]
+        mask = torch.arange(sk, device=q.device)[None, :] <= rows + (sk - sq)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal and mask is None,
+        scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    """graft's torch backend of attention.prefill: torch's fused attention
+    (``F.scaled_dot_product_attention``, fp32 softmax and accumulation as the reference), one
+    batched call when every sequence has the same lengths (a framework's ``[batch, seq]``
+    batch), else one call per sequence; the reference's own code for the sequences SDPA does
+    not define the same way (a causal query row that sees no key, empty sequences) and for
+    non-finite inputs. Differentiable through SDPA's own backward."""
+    # SDPA's CPU kernel drops a NaN query where the reference propagates it: non-finite
+    # inputs take the reference. Any NaN/inf makes the sum non-finite (one cheap reduction
+    # per tensor and one host read; a sum that merely overflows also takes the reference).
+    if not math.isfinite(q.detach().sum() + k.detach().sum() + v.detach().sum()):
+        return prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                 softmax_scale)
+    scale = _scale_or_default(softmax_scale, q.shape[-1])
+    starts_q = cu_seqlens_q.tolist()
+    starts_k = cu_seqlens_k.tolist()
+    total_q, total_k = q.shape[0], k.shape[0]
+    batch = len(starts_q) - 1
+    if batch > 0 and total_q % batch == 0:
+        sq, sk = total_q // batch, starts_k[-1] // batch
+        if (sk * batch <= total_k and _sdpa_serves(sq, sk, causal)
+                and starts_q == list(range(0, total_q + 1, sq)) and starts_k == list(range(0, sk * batch + 1, sk))):
+            out = _sdpa(q.view(batch, sq, *q.shape[1:]), k[: sk * batch].view(batch, sk, *k.shape[1:]),
+                        v[: sk * batch].view(batch, sk, *v.shape[1:]), scale, causal)
+            return out.reshape(q.shape)
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        # The reference's clamping of the bounds (out-of-range cu_seqlens with value checks off).
+        q0 = min(max(starts_q[b], 0), total_q)
+        q1 = min(max(starts_q[b + 1], q0), total_q)
+        k0 = min(max(starts_k[b], 0), total_k)
+        k1 = min(max(starts_k[b + 1], k0), total_k)
+        if q1 == q0:
+            continue
+        if _sdpa_serves(q1 - q0, k1 - k0, causal):
+            out[q0:q1] = _sdpa(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal)[0]
+        else:
+            out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal).to(q.dtype)
+    return out
+
+
+def torch_implementations():
+    """graft's torch backend of attention.prefill (ranks above the plain reference)."""
+    from graft.registry import Implementation
+
+    return [Implementation(
+        op="attention.prefill", backend="torch", fn=prefill_torch, provider="graft",
+        description="torch.nn.functional.scaled_dot_product_attention (batched when sequences have equal "
+                    "lengths); reference for zero-key causal rows and non-finite inputs",
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
+    )]
+
+
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
     capacity = block_tables.shape[1] * key_cache.shape[1]

@@ -51,6 +51,30 @@ def rms_norm_reference(x, weight, eps=1e-6, residual=None):
     return out, xf.to(x.dtype)
 
 
+def rms_norm_torch(x, weight, eps=1e-6, residual=None):
+    """graft's torch backend of fused.rms_norm: torch's fused RMSNorm kernel
+    (``F.rms_norm``, what ``torch.nn.RMSNorm`` runs) on the reference's fp32 values, rounded
+    once to ``x``'s dtype; differentiable through torch's own backward."""
+    xf = x.float()
+    if residual is not None:
+        xf = xf + residual.float()
+    out = torch.nn.functional.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(x.dtype)
+    if residual is None:
+        return out
+    return out, xf.to(x.dtype)
+
+
+def torch_implementations():
+    """graft's torch backend of fused.rms_norm (ranks above the plain reference)."""
+    from graft.registry import Implementation
+
+    return [Implementation(
+        op="fused.rms_norm", backend="torch", fn=rms_norm_torch, provider="graft",
+        description="torch.nn.functional.rms_norm (what torch.nn.RMSNorm runs) on fp32 values",
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
+    )]
+
+
 def layer_norm_reference(x, weight, bias=None, eps=1e-5):
     b = None if bias is None else bias.float()
     return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)

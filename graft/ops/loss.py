@@ -4,7 +4,9 @@
 ignore_index=-100, reduction="mean")``
     ``cross_entropy(x @ weight.T + bias, target)`` with logits and softmax in fp32; targets
     equal to ``ignore_index`` contribute nothing (``"mean"`` divides by the number of the
-    others). Returns an fp32 scalar (``"mean"``, ``"sum"``). The point of the op is memory:
+    others). Returns an fp32 scalar (``"mean"``, ``"sum"``), or with ``"none"`` the fp32
+    per-token losses ``[T]`` (0 for ignored tokens), which a framework that weighs tokens
+    itself needs (Megatron's GPTModel returns per-token losses). The point of the op is memory:
     an implementation may process tokens in chunks so the full ``[T, V]`` logits tensor (a
     vocabulary of 128k makes it the largest activation of a language model) never exists.
 """
@@ -19,7 +21,7 @@ from graft.ops._validate import can_read_values, check_same_device, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def fused_linear_cross_entropy_reference(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
@@ -31,6 +33,102 @@ def fused_linear_cross_entropy_reference(x, weight, target, bias=None, ignore_in
     ignored = (target == ignore_index) | (target < 0) | (target >= vocab)
     target = torch.where(ignored, torch.full_like(target, ignore_index), target)
     return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def _chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk: about ``T / ceil(V / H)`` (Liger's rule), so one chunk's fp32 logits
+    are about as large as ``x``."""
+    ratio = max(1, -(-vocab // max(hidden, 1)))
+    return max(1, min(tokens, 1 << max(0, (-(-tokens // ratio) - 1).bit_length())))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: per chunk of rows, fp32 logits -> log-sum-exp and the row's loss; keeps only the
+    inputs and the ``[T]`` log-sum-exps. Backward: recomputes each chunk's logits and applies
+    ``(softmax - onehot) * dloss`` to the dx / dW / db products."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, ignore_index, reduction):
+        tokens, hidden = x.shape
+        vocab = weight.shape[0]
+        ignored = (target == ignore_index) | (target < 0) | (target >= vocab)
+        safe = torch.where(ignored, torch.zeros_like(target), target)
+        wf = weight.float()
+        bf = None if bias is None else bias.float()
+        lse = torch.empty(tokens, dtype=torch.float32, device=x.device)
+        losses = torch.empty(tokens, dtype=torch.float32, device=x.device)
+        chunk = _chunk_rows(tokens, hidden, vocab)
+        for start in range(0, tokens, chunk):
+            logits = x[start:start + chunk].float() @ wf.t()
+            if bf is not None:
+                logits += bf
+            rows = torch.logsumexp(logits, dim=-1)
+            lse[start:start + chunk] = rows
+            picked = logits.gather(1, safe[start:start + chunk, None])[:, 0]
+            losses[start:start + chunk] = rows - picked
+            del logits
+        losses = losses.masked_fill(ignored, 0.0)
+        valid = (~ignored).sum().to(torch.float32)
+        ctx.save_for_backward(x, weight, bias, safe, ignored, lse, valid)
+        ctx.reduction = reduction
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / valid if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, weight, bias, safe, ignored, lse, valid = ctx.saved_tensors
+        tokens, hidden = x.shape
+        vocab = weight.shape[0]
+        if ctx.reduction == "none":
+            scale = dloss.float()
+        else:
+            scale = (dloss.float() / valid if ctx.reduction == "mean" else dloss.float()).expand(tokens)
+        scale = scale.masked_fill(ignored, 0.0)
+        need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+        wf = weight.float()
+        bf = None if bias is None else bias.float()
+        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_b and bias is not None else None
+        chunk = _chunk_rows(tokens, hidden, vocab)
+        for start in range(0, tokens, chunk):
+            end = min(start + chunk, tokens)
+            xc = x[start:end].float()
+            d = xc @ wf.t()
+            if bf is not None:
+                d += bf
+            d.sub_(lse[start:end, None]).exp_()  # softmax
+            d[torch.arange(end - start, device=x.device), safe[start:end]] -= 1.0
+            d.mul_(scale[start:end, None])
+            if dx is not None:
+                dx[start:end] = d @ wf
+            if dw is not None:
+                dw.addmm_(d.t(), xc)
+            if db is not None:
+                db += d.sum(0)
+            del d
+        return (None if dx is None else dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None,
+                None if db is None else db.to(bias.dtype), None, None)
+
+
+def fused_linear_cross_entropy_torch(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
+    """graft's torch backend of the op: the reference's math chunked over tokens with torch
+    ops, so that, as in the Triton kernel, no ``[T, V]`` logits tensor exists in forward or
+    backward (the backward recomputes one chunk's logits at a time)."""
+    return _ChunkedLinearCrossEntropy.apply(x, weight, target, bias, ignore_index, reduction)
+
+
+def torch_implementations():
+    """graft's torch backend of loss.fused_linear_cross_entropy (ranks above the reference)."""
+    from graft.registry import Implementation
+
+    return [Implementation(
+        op="loss.fused_linear_cross_entropy", backend="torch", fn=fused_linear_cross_entropy_torch,
+        provider="graft", description="chunked over tokens with torch ops (no [T, V] logits; backward recomputes)",
+        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
+    )]
 
 
 def validate_fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
@@ -69,7 +167,7 @@ OPS = [
         name="loss.fused_linear_cross_entropy",
         family="loss",
         signature="fused_linear_cross_entropy(x[T, H], weight[V, H], target[T] int64, bias[V] | None = None, "
-        "ignore_index: int = -100, reduction: str = 'mean') -> fp32 scalar",
+        "ignore_index: int = -100, reduction: str = 'mean') -> fp32 scalar ('none': fp32 [T])",
         reference=fused_linear_cross_entropy_reference,
         description="output projection + cross-entropy (fp32 softmax), chunked so the [T, V] logits never exist",
         validate=validate_fused_linear_cross_entropy,
@@ -98,5 +196,6 @@ CASES = [
     _case("t7_h32_v50", 7, 32, 50, bias=False),
     _case("t19_h48_v97_bias_ignore3", 19, 48, 97, bias=True, ignored=3),
     _case("t9_h32_v64_sum", 9, 32, 64, bias=False, reduction="sum"),
+    _case("t11_h32_v70_none_ignore2", 11, 32, 70, bias=True, reduction="none", ignored=2),
     _case("t4096_h4096_v128256", 4096, 4096, 128256, bias=False, tags=frozenset({"gpu"})),
 ]

@@ -9,6 +9,12 @@ same GEMM, ``db += sum(dlogits)``. The gradients are computed in the forward, wh
 is needed, and scaled by the loss's incoming gradient in backward, so the logits buffer is
 freed chunk by chunk: peak extra memory is ``C x V`` instead of ``T x V``. The chunk size
 follows Liger: about ``T / ceil(V / H)`` rows, so a chunk's logits are about as large as x.
+
+``reduction="none"`` (per-token losses, each with its own incoming gradient, as Megatron's
+GPTModel returns them) cannot fold the gradient into a precomputed ``dW``: the forward keeps
+no gradient, and the backward recomputes each chunk's logits, turns them into
+``(softmax - onehot) * dloss[row]`` with the same row kernel and runs the dx / dW GEMMs;
+still no ``[T, V]`` tensor, for one more GEMM.
 """
 from __future__ import annotations
 
@@ -77,6 +83,7 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
     # on the device: no host sync; targets outside [0, V) count as ignored (see the kernel)
     valid = ((target != ignore_index) & (target >= 0) & (target < vocab)).sum().to(torch.float32)
     scale = (1.0 / valid if reduction == "mean" else torch.ones((), device=x.device)).reshape(1)
+    compute_grad = compute_grad and reduction != "none"  # "none": the backward recomputes (module doc)
     dx = torch.empty_like(x) if compute_grad else x.new_empty(0)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if compute_grad else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if compute_grad and bias is not None else None
@@ -93,6 +100,8 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
                 dw += linear_op(logits.t(), xc.t(), None, "none").float()
                 if db is not None:
                     db += logits.float().sum(0)
+    if reduction == "none":
+        return losses, x.new_empty(0), weight.new_empty(0), x.new_empty(0)
     total = losses.sum()
     loss = total / valid if reduction == "mean" else total
     return (loss, dx, dw.to(weight.dtype) if dw is not None else weight.new_empty(0),
@@ -102,8 +111,8 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
 def _flce_fake(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                ignore_index: int, reduction: str, compute_grad: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    loss = x.new_empty((), dtype=torch.float32)
-    if not compute_grad:
+    loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+    if not compute_grad or reduction == "none":
         return loss, x.new_empty(0), weight.new_empty(0), x.new_empty(0)
     return loss, torch.empty_like(x), torch.empty_like(weight), (torch.empty_like(bias) if bias is not None
                                                                  else x.new_empty(0))
@@ -112,13 +121,63 @@ def _flce_fake(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias
 flce_op = define_op("loss_fused_linear_cross_entropy_triton", _flce, fake=_flce_fake)
 
 
+def _flce_backward_none(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                        ignore_index: int, dloss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the per-token losses (``reduction="none"``) for incoming ``dloss [T]``,
+    recomputing one chunk of logits at a time."""
+    tokens, hidden = x.shape
+    vocab = weight.shape[0]
+    cfg = tile_config(TILES, x.device)
+    unit = torch.ones(1, dtype=torch.float32, device=x.device)
+    losses = torch.empty(tokens, dtype=torch.float32, device=x.device)  # recomputed, not needed
+    dloss = dloss.to(torch.float32)
+    dx = torch.empty_like(x)
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+    db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if bias is not None else None
+    chunk = chunk_rows(tokens, hidden, vocab, cfg["max_chunk"])
+    block_v = min(cfg["block_v"], triton.next_power_of_2(vocab))
+    with on_device(x):
+        for start in range(0, tokens, chunk):
+            xc, tc = x[start:start + chunk], target[start:start + chunk]
+            logits = linear_op(xc, weight, bias, "none")
+            # scale 1: the rows become softmax - onehot (0 for ignored targets) ...
+            _ce_rows_kernel[(xc.shape[0],)](logits, tc, losses[start:], unit, vocab, logits.stride(0),
+                                            int(ignore_index), BLOCK_V=block_v, num_warps=cfg["num_warps"])
+            logits.mul_(dloss[start:start + chunk, None].to(logits.dtype))  # ... times each row's dloss
+            dx[start:start + chunk] = linear_op(logits, weight.t(), None, "none")
+            dw += linear_op(logits.t(), xc.t(), None, "none").float()
+            if db is not None:
+                db += logits.float().sum(0)
+    return dx, dw.to(weight.dtype), db.to(bias.dtype) if db is not None else x.new_empty(0)
+
+
+def _flce_backward_none_fake(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             bias: Optional[torch.Tensor], ignore_index: int, dloss: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias) if bias is not None else x.new_empty(0)
+
+
+flce_backward_none_op = define_op("loss_fused_linear_cross_entropy_backward_none_triton", _flce_backward_none,
+                                  fake=_flce_backward_none_fake)
+
+
 def _setup(ctx, inputs, output):
     _, dx, dw, db = output
-    ctx.save_for_backward(dx, dw, db)
-    ctx.has_bias = inputs[3] is not None
+    x, weight, target, bias, ignore_index, reduction, _ = inputs
+    ctx.has_bias = bias is not None
+    ctx.none = reduction == "none"
+    if ctx.none:  # the backward recomputes from the inputs
+        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(x, weight, target, bias)
+    else:
+        ctx.save_for_backward(dx, dw, db)
 
 
 def _backward(ctx, dloss, _ddx, _ddw, _ddb):
+    if ctx.none:
+        x, weight, target, bias = ctx.saved_tensors
+        dx, dw, db = flce_backward_none_op(x, weight, target, bias, ctx.ignore_index, dloss)
+        return dx, dw, None, db if ctx.has_bias else None, None, None, None
     dx, dw, db = ctx.saved_tensors
     if dx.numel() == 0 and dw.numel() == 0:
         raise RuntimeError("loss.fused_linear_cross_entropy: the forward ran without gradients "
@@ -131,9 +190,10 @@ register_backward(flce_op, _backward, _setup)
 
 
 def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
-    """The op on the custom op: gradients are computed in the forward only when one is needed."""
+    """The op on the custom op: gradients are computed in the forward only when one is needed
+    (and never for ``reduction="none"``, whose backward recomputes)."""
     wants = [t for t in (x, weight, bias) if t is not None]
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in wants)
+    grad = reduction != "none" and torch.is_grad_enabled() and any(t.requires_grad for t in wants)
     return flce_op(x, weight, target, bias, int(ignore_index), str(reduction), grad)[0]
 
 
