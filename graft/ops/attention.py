@@ -200,16 +200,54 @@ def prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return out
 
 
+def prefill_paged_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                        causal=False, softmax_scale=None):
+    """graft's torch backend of attention.prefill_paged: every sequence's context gathered
+    out of its pages with one index (what vLLM's own torch paths do), then
+    :func:`prefill_torch` (SDPA). Out-of-range lengths, block ids or query bounds (value
+    checks off) take the reference, which defines what they mean."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    lens = seq_lens.tolist()
+    starts = cu_seqlens_q.tolist()
+    capacity = block_tables.shape[1] * block_size
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if (not lens or sum(lens) == 0 or starts[0] != 0 or starts[-1] > q.shape[0]
+            or any(not 0 <= n <= capacity or not 0 <= m <= n for n, m in zip(lens, q_lens))):
+        return prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                       max_seqlen_q, causal, softmax_scale)
+    counts = torch.tensor(lens)
+    req = torch.repeat_interleave(torch.arange(len(lens)), counts).to(q.device)
+    pos = (torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)).to(q.device)
+    blocks = block_tables[req, pos // block_size].long()
+    if not bool(((blocks >= 0) & (blocks < num_blocks)).all()):
+        return prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                       max_seqlen_q, causal, softmax_scale)
+    slot = pos % block_size
+    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=q.device)
+    cu_k[1:] = counts.cumsum(0).to(q.device)
+    return prefill_torch(q, key_cache[blocks, slot], value_cache[blocks, slot], cu_seqlens_q, cu_k, max_seqlen_q,
+                         max(lens), causal, softmax_scale)
+
+
 def torch_implementations():
-    """graft's torch backend of attention.prefill (ranks above the plain reference)."""
+    """graft's torch backend of attention.prefill and prefill_paged (rank above the plain references)."""
     from graft.registry import Implementation
 
-    return [Implementation(
-        op="attention.prefill", backend="torch", fn=prefill_torch, provider="graft",
-        description="torch.nn.functional.scaled_dot_product_attention (batched when sequences have equal "
-                    "lengths); reference for zero-key causal rows and non-finite inputs",
-        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
-    )]
+    devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
+    return [
+        Implementation(
+            op="attention.prefill", backend="torch", fn=prefill_torch, provider="graft",
+            description="torch.nn.functional.scaled_dot_product_attention (batched when sequences have equal "
+                        "lengths); reference for zero-key causal rows and non-finite inputs",
+            devices=devices, priority=-50,
+        ),
+        Implementation(
+            op="attention.prefill_paged", backend="torch", fn=prefill_paged_torch, provider="graft",
+            description="context gathered out of the pages with one index, then SDPA (prefill's torch "
+                        "backend); reference for out-of-range lengths and block ids",
+            devices=devices, priority=-50,
+        ),
+    ]
 
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
