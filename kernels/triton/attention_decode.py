@@ -360,10 +360,17 @@ def _aot_variants():
         for dtype, single, group, block_d in (("fp16", True, 4, 128), ("bf16", False, 8, 128),
                                               ("fp32", False, 1, 64), ("bf16", True, 16, 256),
                                               ("fp32", True, 64, 256), ("fp16", False, 32, 256)):
-            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            flags = dict(GROUP=group, KV_FP8=False, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
                          BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
             yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
                           values=UNIT_STRIDES, **types)
+        # fp8 KV caches (e4m3fn = fp8e4nv, e5m2 = fp8e5) under 16-bit queries, both passes.
+        for dtype, kv, single, group, block_d in (("bf16", "*fp8e4nv", True, 4, 128), ("fp16", "*fp8e4nv", False, 8, 128),
+                                                  ("bf16", "*fp8e5", False, 16, 256)):
+            flags = dict(GROUP=group, KV_FP8=True, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                         BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
+            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
+                          values=UNIT_STRIDES, KCache=kv, VCache=kv, KScale="*fp32", VScale="*fp32", **types)
         for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
             flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
             yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},
