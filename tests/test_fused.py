@@ -156,7 +156,7 @@ def test_triton_rotary_heads_in_chunks(triton_fused, device, monkeypatch, is_neo
     rope = triton_fused[2]
     monkeypatch.setattr(rope, "TILE_ELEMS", 16)
     head, rot, hq, hk, tokens = 12, 8, 7, 3, 3
-    cfg = rope.launch_config(hq, hk, rot // 2)
+    cfg = rope.launch_config(hq, hk, rot // 2, head - rot)
     assert cfg["HEAD_BLOCK"] == 4 and hq % cfg["HEAD_BLOCK"] and hk < cfg["HEAD_BLOCK"]
     gen = torch.Generator().manual_seed(5)
     cache = fused.cos_sin_cache(16, rot, device=device)
@@ -173,10 +173,12 @@ def test_triton_rotary_heads_in_chunks(triton_fused, device, monkeypatch, is_neo
 
 def test_rotary_launch_config_bounds_the_tile(triton_fused):
     rope = triton_fused[2]
-    for hq, hk, half in ((64, 8, 64), (128, 16, 64), (32, 8, 64), (1, 1, 3), (40, 40, 32), (16, 16, 128)):
-        cfg = rope.launch_config(hq, hk, half)
-        assert cfg["HEAD_BLOCK"] * cfg["BLOCK_HALF"] <= rope.TILE_ELEMS and cfg["BLOCK_HALF"] >= half
-        assert cfg["HEAD_BLOCK"] >= min(triton_next_pow2(max(hq, hk)), rope.TILE_ELEMS // cfg["BLOCK_HALF"])
+    for hq, hk, half, rest in ((64, 8, 64, 0), (128, 16, 64, 0), (32, 8, 64, 0), (1, 1, 3, 1), (40, 40, 32, 0),
+                               (16, 16, 128, 0), (16, 16, 32, 192)):
+        cfg = rope.launch_config(hq, hk, half, rest)
+        width = max(cfg["BLOCK_HALF"], cfg["BLOCK_PASS"])
+        assert cfg["HEAD_BLOCK"] * width <= rope.TILE_ELEMS and cfg["BLOCK_HALF"] >= half and cfg["BLOCK_PASS"] >= rest
+        assert cfg["HEAD_BLOCK"] >= min(triton_next_pow2(max(hq, hk)), rope.TILE_ELEMS // width)
 
 
 def triton_next_pow2(n):

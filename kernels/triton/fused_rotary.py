@@ -76,14 +76,18 @@ def _rotary_kernel(
                   cos, sin, IS_NEOX, HEAD_BLOCK, BLOCK_HALF, BLOCK_PASS)
 
 
-def launch_config(num_q_heads: int, num_k_heads: int, half: int) -> dict:
-    """HEAD_BLOCK (heads per step, a power of two covering the larger head count up to the
-    TILE_ELEMS budget), BLOCK_HALF and num_warps for one token's programme."""
+def launch_config(num_q_heads: int, num_k_heads: int, half: int, rest: int = 0) -> dict:
+    """HEAD_BLOCK (heads per step: a power of two covering the larger head count, up to the
+    TILE_ELEMS budget for the wider of the rotated-pair tile and the pass-through tile),
+    BLOCK_HALF, BLOCK_PASS and num_warps for one token's program."""
     block_half = triton.next_power_of_2(max(half, 1))
+    block_pass = triton.next_power_of_2(rest) if rest > 0 else 0
+    width = max(block_half, block_pass)
     heads = triton.next_power_of_2(max(num_q_heads, num_k_heads, 1))
-    head_block = max(1, min(heads, TILE_ELEMS // block_half))
-    tile = head_block * block_half
-    return dict(HEAD_BLOCK=head_block, BLOCK_HALF=block_half, num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1))
+    head_block = max(1, min(heads, TILE_ELEMS // width))
+    tile = head_block * width
+    return dict(HEAD_BLOCK=head_block, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+                num_warps=4 if tile >= 1024 else (2 if tile >= 256 else 1))
 
 
 def _token_rows(t: torch.Tensor) -> torch.Tensor:
@@ -115,8 +119,7 @@ def _rotate(positions, q, k, head_size, cos_sin_cache, is_neox, backward):
             positions.reshape(-1), q2, k2, cache, q_out, k_out,
             num_q_heads, num_k_heads, q2.stride(0), k2.stride(0), cache.stride(0), head_size, half, cache.shape[0],
             IS_NEOX=is_neox, BACKWARD=backward,
-            BLOCK_PASS=triton.next_power_of_2(rest) if rest > 0 else 0,
-            **launch_config(num_q_heads, num_k_heads, half),
+            **launch_config(num_q_heads, num_k_heads, half, rest),
         )
     return q_out, k_out
 
@@ -148,8 +151,8 @@ def register(registry) -> None:
 
 
 def _aot_variant(dtype, cache, neox, q_heads, k_heads, half, rest, backward=False):
-    cfg = launch_config(q_heads, k_heads, half)
-    flags = dict(IS_NEOX=neox, HEAD_BLOCK=cfg["HEAD_BLOCK"], BLOCK_HALF=cfg["BLOCK_HALF"], BLOCK_PASS=rest)
+    cfg = launch_config(q_heads, k_heads, half, rest)
+    flags = dict(IS_NEOX=neox, HEAD_BLOCK=cfg["HEAD_BLOCK"], BLOCK_HALF=cfg["BLOCK_HALF"], BLOCK_PASS=cfg["BLOCK_PASS"])
     if backward:
         flags["BACKWARD"] = True
     return variant(_rotary_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
@@ -157,12 +160,12 @@ def _aot_variant(dtype, cache, neox, q_heads, k_heads, half, rest, backward=Fals
 
 
 # positions int64 (torch's default index dtype), an fp32 cos/sin cache for 16-bit q/k as well.
-# Head layouts: Llama-3-8B (32/8 x 128), 70B unsharded (64/8 x 128: the largest tile),
-# GPT-J partial rotary (16 x 256, rot_dim 64), fp32 with few heads (4/4 x 256).
+# Head layouts: Llama-3 (32..64 q heads x 128: the 2048-element tile, heads chunked), 64 x 64
+# (a 64-head chunk), GPT-J partial rotary (16 x 256, rot_dim 64), fp32 with few heads (4/4 x 256).
 AOT_VARIANTS = [
     _aot_variant(*spec)
-    for spec in (("bf16", "*fp32", True, 32, 8, 64, 0), ("bf16", "*fp32", True, 64, 8, 64, 0),
-                 ("fp16", "*fp16", False, 16, 16, 32, 256), ("fp32", "*fp32", True, 4, 4, 128, 0))
+    for spec in (("bf16", "*fp32", True, 32, 8, 64, 0), ("bf16", "*fp32", True, 64, 8, 32, 0),
+                 ("fp16", "*fp16", False, 16, 16, 32, 192), ("fp32", "*fp32", True, 4, 4, 128, 0))
 ]
 
 
