@@ -278,13 +278,28 @@ def _check_kv_scales(op, query, key_cache, value_cache, k_scale, v_scale):
                                   f"{type(scale).__name__}")
 
 
+def _fast_scale(scale, query) -> bool:
+    if type(scale) is float:
+        return True
+    return (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.numel() == 1
+            and scale.device == query.device)
+
+
+def _fast_kv_dtypes(query, key_cache, value_cache, k_scale, v_scale) -> bool:
+    """The caches' dtypes and scales are a valid pair: query's dtype without scales, or fp8 with both."""
+    if key_cache.dtype == query.dtype:
+        return value_cache.dtype == query.dtype and k_scale is None and v_scale is None
+    return (key_cache.dtype in FP8_KV_DTYPES and value_cache.dtype == key_cache.dtype
+            and _fast_scale(k_scale, query) and _fast_scale(v_scale, query))
+
+
 def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
                           k_scale=None, v_scale=None):
     # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
     if (isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
             and isinstance(value_cache, torch.Tensor) and isinstance(block_tables, torch.Tensor)
-            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET and key_cache.dtype == query.dtype
-            and value_cache.dtype == query.dtype and block_tables.dtype == torch.int32
+            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET
+            and _fast_kv_dtypes(query, key_cache, value_cache, k_scale, v_scale) and block_tables.dtype == torch.int32
             and seq_lens.dtype == torch.int32 and query.ndim == 3 and key_cache.ndim == 4
             and block_tables.ndim == 2 and seq_lens.ndim == 1 and key_cache.shape == value_cache.shape
             and query.shape[2] == key_cache.shape[3] and key_cache.shape[1] >= 1 and key_cache.shape[2]
@@ -293,7 +308,7 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
             and (softmax_scale is None or type(softmax_scale) is float)
             and key_cache.device == query.device and value_cache.device == query.device
             and block_tables.device == query.device and seq_lens.device == query.device
-            and k_scale is None and v_scale is None and not checks_values_on(seq_lens)):
+            and not checks_values_on(seq_lens)):
         return
     op = "attention.decode_paged"
     check_tensor(f"{op}: query", query, dtypes=FLOAT_DTYPES, ndim=3)

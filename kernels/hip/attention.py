@@ -36,7 +36,7 @@ def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_
 
 def check_decode(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
                  k_scale=None, v_scale=None):
-    if key_cache.dtype != query.dtype or k_scale is not None or v_scale is not None:
+    if (key_cache is not None and key_cache.dtype != query.dtype) or k_scale is not None or v_scale is not None:
         return f"{key_cache.dtype} (fp8) KV cache not supported by the hip decode kernel"
     head_dim = query.shape[-1]
     if head_dim > MAX_HEAD_DIM:
