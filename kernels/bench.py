@@ -14,7 +14,8 @@ Families and shapes (from the kernels' target models):
 * ``prefill``: 32 query / 8 KV heads, d=128, causal, ragged 512..32k per sequence, vs SDPA's
   flash and cuDNN backends (one call per sequence: SDPA has no varlen form);
 * ``decode``: paged decode at batch {1, 8, 64, 256} x context {1k, 4k, 32k}, vs SDPA on a
-  contiguous cache;
+  contiguous cache; and the fp8 (e4m3) KV cache at the same shapes vs graft's bf16-cache
+  decode (the bytes a decode step reads halve);
 * ``prefill_paged``: chunks of new tokens after a cached context (chunked prefill, prefix
   caching), 32/8 heads, d=128, block size 16, scattered pages: ``attention.prefill_paged``
   (K/V read through the block table) vs vLLM-style gather of the pages into a contiguous
@@ -383,13 +384,47 @@ def _decode_cases(quick: bool, backends) -> list:
             return graft_impls("attention.decode_paged", args, backends), base
         return build
 
+    def build_fp8_for(batch, ctx):
+        def build(device, dtype):
+            import torch
+
+            from graft.quant import fp8_max
+
+            gen = _gen(device)
+            per_seq = -(-ctx // block)
+            num_blocks = batch * per_seq
+            fp8 = torch.float8_e4m3fn  # vLLM's kv_cache_dtype="fp8" on NVIDIA (OCP e4m3)
+            caches, scales = [], []
+            for _ in range(2):
+                cache = _randn((num_blocks, block, hkv, d), device, dtype, gen)
+                scale = (cache.abs().amax().float() / fp8_max(fp8)).reshape(1)
+                quantised = torch.empty(cache.shape, dtype=fp8, device=device)
+                for i in range(0, num_blocks, 4096):  # chunks: no fp32 copy of a 30 GB cache
+                    quantised[i:i + 4096] = (cache[i:i + 4096].float() / scale).to(fp8)
+                caches.append((cache, quantised))
+                scales.append(scale)
+            (kc, kq), (vc, vq) = caches
+            tables = torch.randperm(num_blocks, device=device, generator=gen).to(torch.int32).reshape(batch, per_seq)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            query = _randn((batch, hq, d), device, dtype, gen)
+            args = (query, kq, vq, tables, lens, None, 0, scales[0], scales[1])
+            bf16 = graft_impls("attention.decode_paged", (query, kc, vc, tables, lens, None, 0), backends)
+            impls = graft_impls("attention.decode_paged", args, backends)
+            return impls, {f"{label} {str(dtype).replace('torch.', '')} cache": fn for label, fn in bf16.items()}
+        return build
+
     cases = []
     for batch, ctx in grid:
         tier = 0 if (batch, ctx) in ((1, 4096), (64, 4096), (2, 48)) else 1
         note_bytes = 2.0 * batch * ctx * hkv * d * 2
-        cases.append(Case("decode", f"b{batch}_ctx{ctx}", dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}", head_dim=d),
-                          build_for(batch, ctx), tier, 4.0 * batch * ctx * hq * d, note_bytes))
+        params = dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}", head_dim=d)
+        cases.append(Case("decode", f"b{batch}_ctx{ctx}", params, build_for(batch, ctx), tier,
+                          4.0 * batch * ctx * hq * d, note_bytes))
+        cases.append(Case("decode", f"b{batch}_ctx{ctx}_fp8kv", dict(params, kv_cache="fp8_e4m3"),
+                          build_fp8_for(batch, ctx), tier if (batch, ctx) != (1, 4096) else 1,
+                          4.0 * batch * ctx * hq * d, note_bytes / 2))
     return cases
+
 
 
 def _sdpa_single(q, k, v, backend, gqa=False):

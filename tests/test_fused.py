@@ -149,6 +149,42 @@ def test_triton_rotary(triton_fused, device, tokens, hq, hk, head, rot, three_d,
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
 
 
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_triton_rotary_heads_in_chunks(triton_fused, device, monkeypatch, is_neox):
+    """A small tile budget splits a token's heads into chunks (the last one partial, q and
+    k counts unequal): every head rotated, the tail copied, nothing written past a row."""
+    rope = triton_fused[2]
+    monkeypatch.setattr(rope, "TILE_ELEMS", 16)
+    head, rot, hq, hk, tokens = 12, 8, 7, 3, 3
+    cfg = rope.launch_config(hq, hk, rot // 2, head - rot)
+    assert cfg["HEAD_BLOCK"] == 4 and hq % cfg["HEAD_BLOCK"] and hk < cfg["HEAD_BLOCK"]
+    gen = torch.Generator().manual_seed(5)
+    cache = fused.cos_sin_cache(16, rot, device=device)
+    pos = torch.tensor([3, 15, 0], device=device)
+    q = torch.randn(tokens, hq * head, generator=gen).to(device)
+    k = torch.randn(tokens, hk * head, generator=gen).to(device)
+    for backward in (False, True):
+        q_out, k_out = rope._rotate(pos, q, k, head, cache, is_neox, backward)
+        c = cache if not backward else torch.cat([cache[:, : rot // 2], -cache[:, rot // 2 :]], 1)
+        q_ref, k_ref = fused.rotary_embedding_reference(pos, q, k, head, c, is_neox)
+        _close(q_out, q_ref, torch.float32)
+        _close(k_out, k_ref, torch.float32)
+
+
+def test_rotary_launch_config_bounds_the_tile(triton_fused):
+    rope = triton_fused[2]
+    for hq, hk, half, rest in ((64, 8, 64, 0), (128, 16, 64, 0), (32, 8, 64, 0), (1, 1, 3, 1), (40, 40, 32, 0),
+                               (16, 16, 128, 0), (16, 16, 32, 192)):
+        cfg = rope.launch_config(hq, hk, half, rest)
+        width = max(cfg["BLOCK_HALF"], cfg["BLOCK_PASS"])
+        assert cfg["HEAD_BLOCK"] * width <= rope.TILE_ELEMS and cfg["BLOCK_HALF"] >= half and cfg["BLOCK_PASS"] >= rest
+        assert cfg["HEAD_BLOCK"] >= min(triton_next_pow2(max(hq, hk)), rope.TILE_ELEMS // width)
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
 def test_triton_rotary_views_int32_positions_and_no_k(triton_fused, device):
     rope = triton_fused[2]
     head, tokens = 16, 4

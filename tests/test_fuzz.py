@@ -24,6 +24,8 @@ import pytest
 
 HERE = os.path.abspath(__file__)
 CASES_PER_OP = 1  # the smallest quick case: the interpreter is slow
+# Quick cases fuzzed besides the smallest one: input kinds the smallest case lacks.
+EXTRA_CASES = {"attention.decode_paged": ("n3_fp8_e4m3_kv_h4_kv2_d64_bs16",)}  # fp8 caches + k_scale/v_scale
 TIMEOUT_S = 240
 
 
@@ -97,6 +99,13 @@ def _mutations(args, kwargs):
             yield f"arg{i}.float64", replaced(i, t.double()), kwargs, False
         if t.dim() >= 1 and t.shape[-1] > 1:
             yield f"arg{i}[..., :-1]", replaced(i, t[..., :-1]), kwargs, False
+    # Tensor keyword arguments (fp8 KV-cache scales): non-finite values, a wrong dtype.
+    for name, t in kwargs.items():
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel():
+            bad = t.clone()
+            bad.view(-1)[0] = math.nan
+            yield f"{name}=nan", args, {**kwargs, name: bad}, False
+            yield f"{name}.float64", args, {**kwargs, name: t.double()}, False
     for i, a in items:
         if isinstance(a, float):
             for label, value in (("nan", math.nan), ("inf", math.inf), ("-1", -1.0)):
@@ -200,6 +209,7 @@ def _child(op: str) -> None:
         size = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
         sized.append((size, case.name, case))
     chosen = [c for _, _, c in sorted(sized, key=lambda s: s[:2])[:CASES_PER_OP]]
+    chosen += [c for c in cases if c.name in EXTRA_CASES.get(op, ()) and c not in chosen]
     backends = sorted({i.backend for i in registry.impls[op]
                        if i.static_reason("cpu", None, "cpu") is None})
     for case in chosen:

@@ -90,6 +90,36 @@ def test_w8a8_int32_accumulation_is_exact(device):
     torch.testing.assert_close(y.double(), exact.to(torch.float16).double(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("m, n, k, splits", [(1, 40, 200, 3), (5, 33, 129, 2), (17, 64, 96, 4), (3, 8, 64, 8)])
+def test_w8a8_split_k_is_bit_exact(m, n, k, splits):
+    """Split-K sums int32 partials, then scales once: the same output bits as one split."""
+    from graft.kernels.triton.gemm_w8a8 import _w8a8, plan
+
+    assert plan(m, n, k, "cpu", splits)["SPLIT_K"] > 1
+    x_kind = ("token", "tensor")[m % 2]
+    args = _w8a8_inputs(m, n, k, "cpu", x_kind, "channel", torch.float32, seed=m + n + k)
+    for out_dtype in (torch.float16, torch.bfloat16):
+        split = _w8a8(*args, out_dtype, split_k=splits)
+        assert torch.equal(split, _w8a8(*args, out_dtype, split_k=1))
+        torch.testing.assert_close(split.float(), G.w8a8_reference(*args, out_dtype).float(), **TOL[out_dtype])
+
+
+@pytest.mark.parametrize("family, sms", [("hopper", 132), ("cdna3", 304)])
+def test_w8a8_plan_fills_the_gpu_at_small_m(family, sms):
+    from graft.kernels.triton import _gemm_common as c
+    from graft.kernels.triton.gemm_w8a8 import plan
+
+    for n, k in ((4096, 4096), (6144, 4096), (1280, 8192)):
+        for m in (1, 16):
+            cfg = plan(m, n, k, "cuda", family=family, sms=sms)
+            tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
+            assert cfg["SPLIT_K"] > 1, (m, n, k, cfg)
+            if tiles * cfg["SPLIT_K"] < sms:  # under one wave only where K runs out of splits
+                assert k // cfg["BLOCK_K"] < c.MIN_K_STEPS_PER_SPLIT * (cfg["SPLIT_K"] + 1), (m, n, k, cfg)
+            assert c.buffered_stages(cfg, family) * c.stage_bytes(cfg, 1, 1) <= c.SHARED_LIMIT[family] - 8192
+    assert plan(4096, 4096, 4096, "cuda", family=family, sms=sms)["SPLIT_K"] == 1
+
+
 def test_w8a8_end_to_end_with_quant_helpers(device):
     gen = _gen(3)
     x = torch.randn(9, 64, generator=gen).to(device)

@@ -355,6 +355,9 @@ def test_per_call_checks():
     q = torch.empty(2, 4, 320, device="meta")
     assert "head_dim 320" in attention.check_decode(q, None, None, None, None)
     assert attention.check_decode(torch.empty(2, 4, 128, device="meta"), None, None, None, None) is None
+    fp8_cache = torch.empty(3, 16, 2, 128, dtype=torch.float8_e4m3fn, device="meta")
+    assert "fp8" in attention.check_decode(torch.empty(2, 4, 128, device="meta"), fp8_cache, fp8_cache, None, None,
+                                           k_scale=1.0, v_scale=1.0)
     assert "9000 experts" in moe.check_topk(torch.empty(3, 9000, device="meta"), 2)
     assert moe.check_topk(torch.empty(3, 64, device="meta"), 2) is None
 

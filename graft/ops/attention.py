@@ -20,7 +20,7 @@ causal=False, softmax_scale=None)`` follows flash-attn's "varlen" convention:
   the output has ``q``'s dtype and shape.
 
 ``attention.decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
-softmax_scale=None, num_splits=0)``: one query token per sequence.
+softmax_scale=None, num_splits=0, k_scale=None, v_scale=None)``: one query token per sequence.
 
 * ``query`` is ``[num_seqs, num_heads, head_dim]``.
 * ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``:
@@ -34,6 +34,13 @@ softmax_scale=None, num_splits=0)``: one query token per sequence.
   block ``i`` (tokens ``i*block_size ..``) to a physical block of the caches.
 * ``seq_lens`` (int32, ``[num_seqs]``) is each context's length including the current
   token; ``0`` gives a zero output row.
+* fp8 KV cache (vLLM's ``kv_cache_dtype="fp8"``/``"fp8_e5m2"``): ``key_cache``/``value_cache``
+  in ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (both the same dtype) hold values
+  divided by the per-tensor scales ``k_scale``/``v_scale`` (vLLM's ``layer._k_scale`` /
+  ``_v_scale``: a float or a one-element fp32 tensor on the query's device; tensors keep
+  CUDA graphs free of host reads). Both are required with an fp8 cache and rejected with
+  any other. The reference dequantises (``k.float() * k_scale``) and computes in fp32;
+  kernels dequantise on load. ``query`` stays fp16/bf16/fp32 and sets the output dtype.
 * ``num_splits`` only changes how an implementation partitions the work (split-K /
   flash-decoding); ``0`` lets it choose, a forced count is capped (Triton: 64 splits).
   Results must not depend on it beyond rounding.
@@ -85,6 +92,8 @@ from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32,)
+# fp8 KV-cache formats (vLLM's "fp8"/"fp8_e4m3" and "fp8_e5m2"), dequantised with per-tensor scales.
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # --------------------------------------------------------------------------- references
@@ -250,9 +259,18 @@ def torch_implementations():
     ]
 
 
-def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+def _kv_scale(scale) -> float:
+    return float(scale.reshape(-1)[0]) if isinstance(scale, torch.Tensor) else float(scale)
+
+
+def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                           k_scale=None, v_scale=None):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    capacity = block_tables.shape[1] * key_cache.shape[1]
+    if key_cache.dtype in FP8_KV_DTYPES:  # dequantise, then the same fp32 math
+        key_cache = key_cache.float() * _kv_scale(k_scale)
+        value_cache = value_cache.float() * _kv_scale(v_scale)
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
         n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
@@ -394,12 +412,65 @@ def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_k, exact_total=False)
 
 
-def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+def _check_kv_scales(op, query, key_cache, value_cache, k_scale, v_scale):
+    """fp8 caches need both scales (float or one-element fp32 tensor on query's device);
+    other caches take none."""
+    fp8 = key_cache.dtype in FP8_KV_DTYPES or value_cache.dtype in FP8_KV_DTYPES
+    if not fp8:
+        check_same_dtype(query=query, key_cache=key_cache, value_cache=value_cache)
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                raise GraftInputError(
+                    f"{op}: {name} is given but the caches are {key_cache.dtype}; scales apply only to fp8 caches "
+                    f"({', '.join(str(d) for d in FP8_KV_DTYPES)})"
+                )
+        return
+    if key_cache.dtype != value_cache.dtype:
+        raise GraftInputError(
+            f"{op}: key_cache is {key_cache.dtype} and value_cache {value_cache.dtype}; an fp8 KV cache needs one "
+            f"dtype for both"
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise GraftInputError(
+                f"{op}: {name} is required with an fp8 KV cache ({key_cache.dtype}): the per-tensor scale the cache "
+                "was quantised with (vLLM: layer._k_scale / layer._v_scale)"
+            )
+        if isinstance(scale, torch.Tensor):
+            if scale.dtype != torch.float32 or scale.numel() != 1:
+                raise GraftInputError(
+                    f"{op}: {name} must be a float or a one-element float32 tensor, got a {scale.dtype} tensor of "
+                    f"shape {tuple(scale.shape)}"
+                )
+            if scale.device != query.device:
+                raise GraftInputError(f"{op}: {name} is on {scale.device}, query on {query.device}; use one device")
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise GraftInputError(f"{op}: {name} must be a float or a one-element float32 tensor, got "
+                                  f"{type(scale).__name__}")
+
+
+def _fast_scale(scale, query) -> bool:
+    if type(scale) is float:
+        return True
+    return (isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.numel() == 1
+            and scale.device == query.device)
+
+
+def _fast_kv_dtypes(query, key_cache, value_cache, k_scale, v_scale) -> bool:
+    """The caches' dtypes and scales are a valid pair: query's dtype without scales, or fp8 with both."""
+    if key_cache.dtype == query.dtype:
+        return value_cache.dtype == query.dtype and k_scale is None and v_scale is None
+    return (key_cache.dtype in FP8_KV_DTYPES and value_cache.dtype == key_cache.dtype
+            and _fast_scale(k_scale, query) and _fast_scale(v_scale, query))
+
+
+def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                          k_scale=None, v_scale=None):
     # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
     if (isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
             and isinstance(value_cache, torch.Tensor) and isinstance(block_tables, torch.Tensor)
-            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET and key_cache.dtype == query.dtype
-            and value_cache.dtype == query.dtype and block_tables.dtype == torch.int32
+            and isinstance(seq_lens, torch.Tensor) and query.dtype in _FLOAT_SET
+            and _fast_kv_dtypes(query, key_cache, value_cache, k_scale, v_scale) and block_tables.dtype == torch.int32
             and seq_lens.dtype == torch.int32 and query.ndim == 3 and key_cache.ndim == 4
             and block_tables.ndim == 2 and seq_lens.ndim == 1 and key_cache.shape == value_cache.shape
             and query.shape[2] == key_cache.shape[3] and key_cache.shape[1] >= 1 and key_cache.shape[2]
@@ -411,7 +482,9 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
             and not checks_values_on(seq_lens)):
         return
     op = "attention.decode_paged"
-    _check_paged_metadata(op, "query", query, key_cache, value_cache, block_tables, seq_lens)
+    _check_paged_metadata(op, "query", query, key_cache, value_cache, block_tables, seq_lens,
+                          cache_dtypes=FLOAT_DTYPES + FP8_KV_DTYPES)
+    _check_kv_scales(op, query, key_cache, value_cache, k_scale, v_scale)
     num_seqs = query.shape[0]
     splits = _as_int("num_splits", num_splits, op)
     if splits < 0:
@@ -421,15 +494,18 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
         _check_paged_values(op, key_cache, block_tables, seq_lens)
 
 
-def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_tables, seq_lens, num_seqs=None):
+def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_tables, seq_lens, num_seqs=None,
+                          cache_dtypes=FLOAT_DTYPES):
     """Dtypes, ranks, shapes and devices of a paged KV cache and its table (no value read);
-    ``num_seqs`` defaults to the query's first dimension (one token per sequence)."""
+    ``num_seqs`` defaults to the query's first dimension (one token per sequence). Caches in
+    the query's dtype, unless ``cache_dtypes`` admits fp8 (the caller then checks the scales)."""
     check_tensor(f"{op}: {q_name}", query, dtypes=FLOAT_DTYPES, ndim=3)
-    check_tensor(f"{op}: key_cache", key_cache, dtypes=FLOAT_DTYPES, ndim=4)
-    check_tensor(f"{op}: value_cache", value_cache, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor(f"{op}: key_cache", key_cache, dtypes=cache_dtypes, ndim=4)
+    check_tensor(f"{op}: value_cache", value_cache, dtypes=cache_dtypes, ndim=4)
     check_tensor(f"{op}: block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2)
     check_tensor(f"{op}: seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
-    check_same_dtype(**{q_name: query, "key_cache": key_cache, "value_cache": value_cache})
+    if key_cache.dtype not in FP8_KV_DTYPES and value_cache.dtype not in FP8_KV_DTYPES:
+        check_same_dtype(**{q_name: query, "key_cache": key_cache, "value_cache": value_cache})
     check_same_device(**{q_name: query, "key_cache": key_cache, "value_cache": value_cache,
                          "block_tables": block_tables, "seq_lens": seq_lens})
     if key_cache.shape != value_cache.shape:
@@ -556,10 +632,11 @@ OPS = [
         signature=(
             "decode_paged(query[N,H,D], key_cache[NB,BS,KVH,D], value_cache[NB,BS,KVH,D], "
             "block_tables[N,MB] int32, seq_lens[N] int32, softmax_scale: float | None = None, "
-            "num_splits: int = 0) -> [N,H,D]"
+            "num_splits: int = 0, k_scale: float | Tensor[1] | None = None, v_scale: ... = None) -> [N,H,D] "
+            "(caches fp8 e4m3fn/e5m2 with k_scale/v_scale, or query's dtype)"
         ),
         reference=decode_paged_reference,
-        description="single-token decode attention over a paged KV cache (vLLM layout, GQA, split-K)",
+        description="single-token decode attention over a paged KV cache (vLLM layout, GQA, split-K, fp8 KV option)",
         validate=validate_decode_paged,
         dtypes=FLOAT_DTYPES,
     ),
@@ -603,11 +680,17 @@ def prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     )
 
 
-def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
-    """Paged-KV decode attention; see the module docstring for the layout."""
+def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                 k_scale=None, v_scale=None):
+    """Paged-KV decode attention; see the module docstring for the layout (and the fp8 KV cache)."""
+    if k_scale is None and v_scale is None:  # the kwargs every backend took before the fp8 option
+        return call(
+            "attention.decode_paged", query, key_cache, value_cache, block_tables, seq_lens,
+            softmax_scale=softmax_scale, num_splits=num_splits,
+        )
     return call(
         "attention.decode_paged", query, key_cache, value_cache, block_tables, seq_lens,
-        softmax_scale=softmax_scale, num_splits=num_splits,
+        softmax_scale=softmax_scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -631,8 +714,9 @@ def make_prefill_inputs(seqlens_q, seqlens_k, num_heads, num_kv_heads, head_dim,
 
 
 def make_decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, device, dtype, gen, num_splits=0,
-                       spare_blocks=3):
-    """A paged cache with every sequence's blocks scattered at random physical positions."""
+                       spare_blocks=3, kv_dtype=None):
+    """A paged cache with every sequence's blocks scattered at random physical positions;
+    ``kv_dtype`` (fp8): caches quantised per tensor, scales as one-element fp32 tensors."""
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     max_blocks = max(max(blocks_per_seq, default=0), 1)
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -648,7 +732,14 @@ def make_decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     query = _randn((len(seq_lens), num_heads, head_dim), dtype, device, gen)
     lens = torch.tensor(list(seq_lens), dtype=torch.int32)
     args = (query, key_cache, value_cache, block_tables.to(device), lens.to(device))
-    return args, {"num_splits": num_splits}
+    if kv_dtype is None:
+        return args, {"num_splits": num_splits}
+    from graft import quant
+
+    k_q, k_scale = quant.quantize_fp8_per_tensor(key_cache.float(), kv_dtype)
+    v_q, v_scale = quant.quantize_fp8_per_tensor(value_cache.float(), kv_dtype)
+    args = (query, k_q, v_q) + args[3:]
+    return args, {"num_splits": num_splits, "k_scale": k_scale.reshape(1), "v_scale": v_scale.reshape(1)}
 
 
 def make_prefill_paged_inputs(seqlens_q, context_lens, num_heads, num_kv_heads, head_dim, block_size, causal, device,
@@ -740,12 +831,13 @@ def _prefill_case(name, seqlens_q, seqlens_k, heads, kv_heads, head_dim, causal,
     )
 
 
-def _decode_case(name, seq_lens, heads, kv_heads, head_dim, block_size, num_splits=0, tags=frozenset({"quick"})):
+def _decode_case(name, seq_lens, heads, kv_heads, head_dim, block_size, num_splits=0, tags=frozenset({"quick"}),
+                 kv_dtype=None):
     return OpCase(
         op="attention.decode_paged",
         name=name,
         make_inputs=lambda device, dtype, gen: make_decode_inputs(
-            seq_lens, heads, kv_heads, head_dim, block_size, device, dtype, gen, num_splits
+            seq_lens, heads, kv_heads, head_dim, block_size, device, dtype, gen, num_splits, kv_dtype=kv_dtype
         ),
         tags=tags,
         flops=_decode_flops,
@@ -769,6 +861,9 @@ CASES = [
     _prefill_paged_case("b2_zero_ctx_h2_kv2_d64_bs16_causal", [9, 17], [0, 0], 2, 2, 64, 16, True),
     _prefill_paged_case("b2_ctx_h4_kv2_d64_bs16", [5, 12], [30, 3], 4, 2, 64, 16, False),
     _prefill_paged_case("b0_empty_batch_h2_kv1_d64_bs16", [], [], 2, 1, 64, 16, True),
+    _decode_case("n3_fp8_e4m3_kv_h4_kv2_d64_bs16", [5, 40, 17], 4, 2, 64, 16, kv_dtype=torch.float8_e4m3fn),
+    _decode_case("n2_fp8_e5m2_kv_h8_kv2_d128_bs8_split2", [33, 9], 8, 2, 128, 8, num_splits=2,
+                 kv_dtype=torch.float8_e5m2),
     _prefill_case("b8_s2048_h32_kv8_d128_causal", [2048] * 8, [2048] * 8, 32, 8, 128, True, _GPU),
     _prefill_case("b8_s2048_h32_kv8_d128", [2048] * 8, [2048] * 8, 32, 8, 128, False, _GPU),
     _prefill_case("b4_ragged_h32_kv8_d64_causal", [4000, 1000, 3000, 129], [4000, 1000, 3000, 129], 32, 8, 64, True,
@@ -779,4 +874,6 @@ CASES = [
                         128, 16, True, _GPU),
     _decode_case("n64_ctx4096_h32_kv8_d128_bs16", [4096] * 64, 32, 8, 128, 16, tags=_GPU),
     _decode_case("n8_ctx32768_h32_kv8_d128_bs16", [32768] * 8, 32, 8, 128, 16, tags=_GPU),
+    _decode_case("n64_ctx4096_h32_kv8_d128_bs16_fp8kv", [4096] * 64, 32, 8, 128, 16, tags=_GPU,
+                 kv_dtype=torch.float8_e4m3fn),
 ]

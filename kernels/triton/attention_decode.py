@@ -12,12 +12,26 @@ With one split the program normalises and writes the output directly. With sever
 (flash-decoding: long contexts and few sequences still fill the GPU), each split
 writes its unnormalised accumulator and its running max/sum, and a second kernel
 rescales the partials to a common max and combines them.
+
+fp8 KV cache (``KV_FP8``): K/V tiles load as fp8 (half the bytes of bf16: decode is bound
+by reading the cache) and widen to the query's dtype, which is exact for e4m3fn and e5m2
+in fp16/bf16/fp32; the per-tensor scales are folded in once instead of per element:
+``k_scale`` into the score scale, ``v_scale`` into the final accumulator (attention is
+linear in V). The scales are read from device tensors (CUDA-graph safe).
+
+Split count: the grid's split axis is sized on the host from the block-table capacity
+(no device-to-host read of ``seq_lens``: CUDA graphs and no sync per step), and each
+program derives the splits its sequence really uses from its own ``seq_len`` (at most
+one per MIN_SPLIT_TOKENS tokens); unused split programs exit at once.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+import functools
+from typing import Optional
 
 from graft.custom_ops import define_op
 from graft.kernels.triton._attention_common import (
@@ -31,8 +45,10 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._dot import dot_f32, dot_flags
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
+from graft.platform import device_info, is_rocm, triton_interpret
 
 OP = "attention.decode_paged"
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 TILES = {
     "hopper": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -52,7 +68,7 @@ MAX_SPLITS = 64  # also the cap on a caller's num_splits (the combine holds all 
 
 @triton.jit
 def _decode_kernel(
-    Q, KCache, VCache, BlockTables, SeqLens, Out, PartAcc, PartMax, PartSum,
+    Q, KCache, VCache, BlockTables, SeqLens, Out, PartAcc, PartMax, PartSum, KScale, VScale,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -66,6 +82,7 @@ def _decode_kernel(
     num_splits,
     min_split,  # fewest tokens per split (1 when the caller forced num_splits)
     GROUP: tl.constexpr,  # query heads per kv head
+    KV_FP8: tl.constexpr,  # fp8 caches: widen on load, scale by *KScale / *VScale
     SINGLE_PASS: tl.constexpr,  # num_splits == 1: write the normalised output directly
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,6 +115,8 @@ def _decode_kernel(
         other=0.0,
     )
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale)
     table = BlockTables + seq.to(tl.int64) * stride_bts
     k_base = KCache + kv_head * stride_kh
     v_base = VCache + kv_head * stride_vh
@@ -119,6 +138,8 @@ def _decode_kernel(
             mask=tok_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
+        if KV_FP8:
+            k_t = k_t.to(Q.dtype.element_ty)
         scores = dot_f32(q, k_t, UPCAST, PRECISION) * qk_scale
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -130,9 +151,13 @@ def _decode_kernel(
             mask=tok_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(VScale)
     if SINGLE_PASS:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0: acc is 0, output 0
         o_ptrs = Out + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -200,6 +225,8 @@ def _decode(
     seq_lens: torch.Tensor,
     softmax_scale: float,
     num_splits: int,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -216,6 +243,7 @@ def _decode(
     num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max(capacity, 1), cfg["BLOCK_N"])))
     group = num_heads // num_kv_heads
     block_d = head_dim_block(head_dim)
+    kv_fp8 = key_cache.dtype in FP8_KV_DTYPES
     if num_splits > 1:
         part_acc = torch.empty((num_seqs, num_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -225,6 +253,7 @@ def _decode(
     with on_device(query):
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             query, key_cache, value_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
+            k_scale if kv_fp8 else out, v_scale if kv_fp8 else out,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
             softmax_scale * LOG2E,
             head_dim,
@@ -234,6 +263,7 @@ def _decode(
             num_splits,
             MIN_SPLIT_TOKENS if auto else 1,
             GROUP=group,
+            KV_FP8=kv_fp8,
             SINGLE_PASS=num_splits == 1,
             BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_D=block_d,
@@ -261,6 +291,8 @@ def _decode_fake(
     seq_lens: torch.Tensor,
     softmax_scale: float,
     num_splits: int,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return query.new_empty(query.shape)
 
@@ -268,21 +300,50 @@ def _decode_fake(
 decode_op = define_op("attention_decode_paged_triton", _decode, fake=_decode_fake)
 
 
-def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0):
+def _scale_tensor(scale, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float scale as a one-element fp32 tensor on ``like``'s device (vLLM passes tensors,
+    which go through as they are)."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale.reshape(1) if scale is not None else None
+    return torch.full((1,), float(scale), dtype=torch.float32, device=like.device)
+
+
+def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                 k_scale=None, v_scale=None):
     """The op's signature on top of the custom op (which needs a concrete float scale)."""
     scale = resolve_scale(softmax_scale, query.shape[-1])
-    return decode_op(query, key_cache, value_cache, block_tables, seq_lens, scale, int(num_splits))
+    return decode_op(query, key_cache, value_cache, block_tables, seq_lens, scale, int(num_splits),
+                     _scale_tensor(k_scale, query), _scale_tensor(v_scale, query))
 
 
-def check(query, *args, **kwargs):
+def check(query, key_cache=None, *args, **kwargs):
+    if key_cache is not None and key_cache.dtype in FP8_KV_DTYPES and fp8_kv_reason(key_cache.dtype):
+        return fp8_kv_reason(key_cache.dtype)
     return head_dim_reason(query.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_kv_reason(dtype) -> Optional[str]:
+    """Why an fp8 cache cannot be served here, or None. Triton's e4m3fn (fp8e4nv) needs
+    sm_89+ on NVIDIA; ROCm's Triton handles the OCP formats on gfx94x/gfx95x only."""
+    if triton_interpret():
+        return None
+    if not torch.cuda.is_available():
+        return "no GPU for an fp8 KV cache"
+    if is_rocm():
+        arch = device_info("cuda").arch or ""
+        return None if arch.startswith(("gfx94", "gfx95")) else f"fp8 KV cache needs gfx94x/gfx95x, not {arch}"
+    major, minor = torch.cuda.get_device_capability()
+    if dtype == torch.float8_e4m3fn and (major, minor) < (8, 9):
+        return f"fp8 e4m3 KV cache needs sm_89 or newer, not sm_{major}{minor}"
+    return None
 
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
         OP, decode_paged, custom_op=decode_op, check=check,
         dtypes={torch.float16, torch.bfloat16, torch.float32},
-        description="Triton paged-KV decode attention (GQA, split-K flash-decoding)",
+        description="Triton paged-KV decode attention (GQA, split-K flash-decoding, fp8 KV cache)",
     ))
 
 
@@ -299,10 +360,17 @@ def _aot_variants():
         for dtype, single, group, block_d in (("fp16", True, 4, 128), ("bf16", False, 8, 128),
                                               ("fp32", False, 1, 64), ("bf16", True, 16, 256),
                                               ("fp32", True, 64, 256), ("fp16", False, 32, 256)):
-            flags = dict(GROUP=group, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            flags = dict(GROUP=group, KV_FP8=False, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
                          BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
             yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
                           values=UNIT_STRIDES, **types)
+        # fp8 KV caches (e4m3fn = fp8e4nv, e5m2 = fp8e5) under 16-bit queries, both passes.
+        for dtype, kv, single, group, block_d in (("bf16", "*fp8e4nv", True, 4, 128), ("fp16", "*fp8e4nv", False, 8, 128),
+                                                  ("bf16", "*fp8e5", False, 16, 256)):
+            flags = dict(GROUP=group, KV_FP8=True, SINGLE_PASS=single, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                         BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
+            yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
+                          values=UNIT_STRIDES, KCache=kv, VCache=kv, KScale="*fp32", VScale="*fp32", **types)
         for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
             flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
             yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},

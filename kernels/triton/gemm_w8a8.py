@@ -4,6 +4,13 @@
 Per-tensor scales ride the same code path as per-token/per-channel ones with a zero
 stride, so there is one kernel for every scale granularity. The int8 tl.dot is exact in
 Triton's CPU interpreter too (checked against an int64 matmul), so no upcast is needed.
+
+Split-K: at small M the (M, N) tile grid leaves most SMs idle (N=4096, 64-wide tiles: 64
+programs on 132 SMs), so K is split as the dense GEMM does (the shared plan per M range,
+fitted to shared memory at 1-byte operands). Each split writes its raw int32 partial tile
+to a ``[SPLIT_K, M, N]`` int32 workspace; a second pass sums the splits in int32 (integer
+addition is exact and order-free, so the result equals the unsplit kernel's bit for bit)
+and applies the scales and bias once. No atomics: deterministic and CUDA-graph safe.
 """
 from __future__ import annotations
 
@@ -24,34 +31,79 @@ from graft.kernels.triton._gemm_common import SM_COUNT, gemm_plan, launch_option
 @triton.jit
 def _w8a8_kernel(
     x_ptr, w_ptr, xs_ptr, ws_ptr, bias_ptr, y_ptr,
-    M, N, K,
+    M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_xs, stride_ws, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_start = tl.program_id(1) * K_PER_SPLIT
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None] * stride_wk
+    # int64 offsets: M * stride (and K * stride for a transposed operand) can pass 2^31.
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks).to(tl.int64)[:, None] * stride_wk
+    step_x = tl.cast(stride_xk, tl.int64) * BLOCK_K
+    step_w = tl.cast(stride_wk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
+    # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
+    # values); the last split's steps past K load nothing (masked) and add zero.
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        k_ok = ks < K - (k_start + kk)
         a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += step_x
+        w_ptrs += step_w
+    if SPLIT_K > 1:  # raw int32 partial into this split's slab; the reduce pass scales once
+        slab = tl.program_id(1).to(tl.int64) * M * N
+        ws_ptrs = y_ptr + slab + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(ws_ptrs, acc, mask=row_ok[:, None] & col_ok[None, :])
+        return
     x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_ok, other=0.0)
     w_scale = tl.load(ws_ptr + cols * stride_ws, mask=col_ok, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :] * stride_yn
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols.to(tl.int64)[None, :] * stride_yn
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _w8a8_reduce_kernel(
+    part_ptr, xs_ptr, ws_ptr, bias_ptr, y_ptr, M, N, stride_xs, stride_ws, stride_ym, stride_yn,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """y[m, n-block] = (sum of the int32 partials) * x_scale[m] * w_scale[n] + bias[n]."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0)
+    w_scale = tl.load(ws_ptr + cols * stride_ws, mask=ok, other=0.0)
+    y = acc.to(tl.float32) * tl.load(xs_ptr + row * stride_xs) * w_scale
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK_N = 1024
+
+
+def plan(m: int, n: int, k: int, device, split_k: Optional[int] = None, **what_if) -> dict:
+    """Launch plan at 1-byte operands (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k``
+    forces a split count (tests)."""
+    cfg = gemm_plan(m, n, k, device, 1, **what_if)
+    if split_k is not None and split_k != cfg["SPLIT_K"]:
+        steps = triton.cdiv(k, cfg["BLOCK_K"])
+        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
+        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
+    return cfg
 
 
 def _scale_stride(scale: torch.Tensor) -> int:
@@ -66,25 +118,48 @@ def _w8a8(
     w_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    split_k: Optional[int] = None,
 ) -> torch.Tensor:
     m, k = x_q.shape
     n = w_q.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return y
-    cfg = gemm_plan(m, n, k, x_q.device, 1, split=False)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg = plan(m, n, k, x_q.device, split_k)
+    splits = cfg["SPLIT_K"]
+    target = torch.empty((splits, m, n), dtype=torch.int32, device=x_q.device) if splits > 1 else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
     xs, ws = x_scale.reshape(-1), w_scale.reshape(-1)
+    xs_stride, ws_stride = _scale_stride(x_scale), _scale_stride(w_scale)
+    b = bias if bias is not None else y
     with on_device(x_q):
         _w8a8_kernel[grid](
-            x_q, w_q, xs, ws, bias if bias is not None else y, y,
-            m, n, k,
+            x_q, w_q, xs, ws, b, target,
+            m, n, k, cfg["K_PER_SPLIT"],
             x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
-            _scale_stride(x_scale), _scale_stride(w_scale), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None,
+            xs_stride, ws_stride, y.stride(0), y.stride(1),
+            HAS_BIAS=bias is not None, SPLIT_K=splits,
             **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
+        if splits > 1:
+            block_n = min(REDUCE_BLOCK_N, triton.next_power_of_2(n))
+            _w8a8_reduce_kernel[(m, triton.cdiv(n, block_n))](
+                target, xs, ws, b, y, m, n, xs_stride, ws_stride, y.stride(0), y.stride(1),
+                SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                num_warps=4 if block_n >= 512 else 1,
+            )  # fmt: skip
     return y
+
+
+def _w8a8_2d(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return _w8a8(x_q, w_q, x_scale, w_scale, bias, out_dtype)
 
 
 def _w8a8_fake(
@@ -98,7 +173,7 @@ def _w8a8_fake(
     return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
 
-w8a8_op = define_op("gemm_w8a8_triton", _w8a8, fake=_w8a8_fake)
+w8a8_op = define_op("gemm_w8a8_triton", _w8a8_2d, fake=_w8a8_fake)
 
 
 def w8a8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.float16):
@@ -113,18 +188,26 @@ def register(registry) -> None:
 
 
 def _aot_variants():
-    """Every M bucket's plan per target (Llama-3-8B N=K=4096), bf16 and fp16 output."""
+    """Every plan the dispatcher launches per target over Llama-3 shapes and the M buckets
+    (split ones with SPLIT_K=2: SPLIT_K only switches the store path), bf16 and fp16
+    output; the int32 reduce pass."""
     types = dict(x_ptr="*i8", w_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32")
     for target in TARGETS:
         family = FAMILY[target]
         plans = {}
-        for m in (1, 32, 64, 128, 4096):
-            cfg = gemm_plan(m, 4096, 4096, "cuda", 1, split=False, family=family, sms=SM_COUNT[family])
-            plans.setdefault(tuple(cfg.items()), cfg)
+        for m in (1, 16, 32, 64, 128, 4096):
+            for n, k in ((4096, 4096), (28672, 4096), (8192, 1024)):
+                cfg = plan(m, n, k, "cuda", family=family, sms=SM_COUNT[family])
+                key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
+                plans.setdefault(key, cfg)
         for cfg in plans.values():
             for out in ("bf16", "fp16"):
-                yield variant(_w8a8_kernel, dict(HAS_BIAS=True, **tile_constexprs(cfg)), pointer=f"*{out}",
+                flags = dict(HAS_BIAS=True, SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, **tile_constexprs(cfg))
+                yield variant(_w8a8_kernel, flags, pointer=f"*{out}",
                               options=launch_options(cfg), targets=(target,), **types)
+    for out, split in (("bf16", 4), ("fp16", 16)):
+        yield variant(_w8a8_reduce_kernel, dict(SPLIT_K=split, HAS_BIAS=True, BLOCK_N=REDUCE_BLOCK_N),
+                      pointer=f"*{out}", part_ptr="*i32", xs_ptr="*fp32", ws_ptr="*fp32", options={"num_warps": 4})
 
 
 AOT_VARIANTS = list(_aot_variants())
