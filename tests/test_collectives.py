@@ -427,6 +427,21 @@ def w_peer_skips(rank, ws):
     return text, time.perf_counter() - start
 
 
+def w_agreed_versus_new_signature(rank, ws):
+    """Rank 0 calls a signature both agreed on; rank 1 a new one: no per-call exchange sees
+    it, so both time out, and the failure path names both calls through the store."""
+    from graft.errors import GraftCollectiveError
+    from graft.ops import collectives as C
+
+    reset_graft(GRAFT_COLLECTIVES_TIMEOUT="3")
+    C.all_reduce(make(rank, (32,)))  # agreed by both
+    try:
+        C.all_reduce(make(rank, (32,) if rank == 0 else (40,)))
+        return "NO ERROR"
+    except GraftCollectiveError as exc:
+        return str(exc)
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.timeout(150)
 def test_all_reduce_algorithms_and_selection_2_ranks():
@@ -501,7 +516,9 @@ def test_peer_that_skips_a_call_times_out_clearly_on_both_ranks():
     (text0, t0), (text1, t1) = results
     assert "collectives.all_reduce" in text0 and "did not complete within 3 s (GRAFT_COLLECTIVES_TIMEOUT)" in text0
     assert "group '0'" in text0 and "global ranks 0, 1" in text0, text0
-    assert "collectives.all_gather" in text1 and "rank(s) 0 did not reach this call within 3 s" in text1, text1
+    assert "collectives.all_gather" in text1 and "rank(s) 0 did not reach this call (" in text1, text1
+    assert "within 3 s (GRAFT_COLLECTIVES_TIMEOUT)" in text1, text1
+    assert "rank 1 is waiting to agree on collectives.all_gather: device cpu, x float32 (5, 3)" in text0, text0
     assert 2.5 < t0 < 8 and 2.5 < t1 < 8, (t0, t1)
 
 
@@ -613,3 +630,13 @@ def test_ops_without_process_group_say_so():
 
     with pytest.raises(GraftInputError, match="not initialized"):
         C.all_reduce(torch.ones(3))
+
+
+@pytest.mark.timeout(90)
+def test_agreed_signature_against_a_new_one_names_both_calls():
+    from datetime import timedelta
+
+    text0, text1 = run_ranks(w_agreed_versus_new_signature, 2, timeout=70, pg_timeout=timedelta(seconds=8))
+    assert "did not complete within 3 s" in text0, text0
+    assert "rank 1 is waiting to agree on collectives.all_reduce: device cpu, x float32 (40,)" in text0, text0
+    assert "rank(s) 0 did not reach this call (collectives.all_reduce: device cpu, x float32 (40,)" in text1, text1

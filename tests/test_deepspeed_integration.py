@@ -186,6 +186,38 @@ def test_activate_routes_fused_adam_and_deactivate_restores(ds_graft):
     assert ds_comm.TorchBackend is TorchBackend
 
 
+def test_parts_whose_ops_are_disabled_stay_deepspeeds_own(ds_graft, monkeypatch, caplog):
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.ops.op_builder as op_builder
+    from deepspeed.accelerator import get_accelerator
+
+    from graft.adapters.deepspeed.activation import integration, status_lines
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+
+    original_accel, original_builder = get_accelerator(), op_builder.FusedAdamBuilder
+    monkeypatch.setenv("GRAFT_DISABLE", "fused.adam_step")
+    ok, why = integration().status()
+    assert ok and "left to deepspeed: adam (fused.adam_step is disabled by GRAFT_DISABLE=fused.adam_step)" in why, why
+    with caplog.at_level("WARNING", logger="graft.integration.deepspeed"):
+        assert ds_graft.activate() is True
+    assert "deepspeed's adam stays deepspeed's own code" in caplog.text
+    assert get_accelerator() is original_accel and op_builder.FusedAdamBuilder is original_builder
+    assert ds_comm.TorchBackend is GraftTorchBackend  # comm is still graft's
+    assert any(line.startswith("  FusedAdamBuilder: DeepSpeed's (fused.adam_step is disabled") for line in status_lines())
+    ds_graft.deactivate()
+
+    monkeypatch.setenv("GRAFT_DISABLE", "collectives")
+    assert ds_graft.activate() is True
+    assert ds_comm.TorchBackend is not GraftTorchBackend and op_builder.FusedAdamBuilder is not original_builder
+    ds_graft.deactivate()
+
+    monkeypatch.setenv("GRAFT_DISABLE", "collectives,fused.adam_step")  # nothing left for graft: off
+    ok, why = integration().status()
+    assert not ok and why.startswith("every part needs ops graft cannot serve here"), why
+    assert ds_graft.activate() is False and not ds_graft.is_active()
+    assert get_accelerator() is original_accel and ds_comm.TorchBackend is not GraftTorchBackend
+
+
 def test_deactivate_restores_a_backend_built_while_active(ds_graft, monkeypatch):
     """init_distributed() during activation builds graft's backend; deactivate() (which the
     bench uses between steps) must give DeepSpeed its own collectives back, and activate() graft's."""

@@ -9,8 +9,14 @@ the same places): never a crash, another exception, or a different number.
 
 Each op runs in a child process, so a segfault or abort fails that test (naming the last
 case started) instead of killing the run. Mutations of values run with GRAFT_CHECK_VALUES=1
-and =0; the others (shapes, dtypes, strides) do not depend on value checks and run once. Collectives are fuzzed in
-tests/test_collectives.py (they need a process group).
+and =0; the others (shapes, dtypes, strides) do not depend on value checks and run once.
+
+Collectives run on 2 gloo ranks (spawned processes, bounded): every collective op on every
+algorithm, validation in its default mode and ``always`` (value checks on and off), with
+non-contiguous, NaN/Inf, empty, other-dtype and wrong-rank inputs and shapes or dtypes that
+differ across ranks. Each outcome must be a clear GraftError on every rank or, on every
+rank, torch.distributed's result (the int8 gather: within its documented bound, NaN/Inf
+exact); never a hang, an abort or uninitialised memory.
 """
 from __future__ import annotations
 
@@ -232,6 +238,180 @@ def _child(op: str) -> None:
                     outcome, detail = _outcome(run, reference, case, m_args, m_kwargs,
                                                nonfinite_input="nan" in label or "inf" in label)
                 print(json.dumps({"case": name, "outcome": outcome, "detail": detail}), flush=True)
+
+
+# ------------------------------------------------------------------------------ collectives
+
+COLLECTIVE_BACKENDS = {  # op -> algorithms that run on the CPU when named
+    "all_reduce": ("torch", "oneshot", "twoshot"),
+    "all_gather": ("torch",),
+    "reduce_scatter": ("torch",),
+    "all_gather_quantized": ("torch", "int8"),
+    "gemm_reduce_scatter": ("torch", "overlap"),
+    "all_gather_gemm": ("torch", "overlap"),
+}
+# (validation mode, value checks): default validation with checks on, `always` with them off
+COLLECTIVE_MODES = (("signature", "1"), ("always", "0"))
+
+
+def _collective_inputs(op, rank):
+    """The op's valid arguments on ``rank`` (tensors first)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(101 + rank)
+    if op in ("gemm_reduce_scatter", "all_gather_gemm"):
+        return [torch.randn(4, 6, generator=gen), torch.randn(6, 3, generator=gen)]
+    return [torch.randn(4, 8, generator=gen) * 10]
+
+
+def _collective_mutations(op, rank):
+    """(label, args, must_fail) for one rank; must_fail: the ranks' calls are incompatible."""
+    import torch
+
+    def strided(t):
+        base = t.new_empty(tuple(t.shape) + (2,))
+        base[..., 0] = t
+        return base[..., 0]
+
+    args = _collective_inputs(op, rank)
+    x = args[0]
+    yield "valid", args, False
+    yield "noncontiguous", [strided(a) for a in args], False
+    yield "transposed", [x.t()] + args[1:], False  # another (valid or clearly invalid) shape, strided
+    for label, value in (("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf)):
+        bad = x.clone()
+        bad[1, 2 + rank] = value
+        yield f"x[1, 2 + rank]={label}", [bad] + args[1:], False
+    yield "empty", [x[:0]] + args[1:], False
+    yield "float64", [a.double() for a in args], False
+    yield "int64", [(a * 4).round().long() for a in args], False
+    yield "0-dim", [x[0, 0]] + args[1:], False
+    # Calls that differ across ranks, each a signature neither rank has used (the default
+    # validation agrees on every new signature; see the README for what needs `always`).
+    yield "rank1-more-rows", [torch.cat([x, x[:2 + 2 * rank]])] + args[1:], True
+    yield "rank1-bfloat16", [a.bfloat16() if rank == 1 else a.half() for a in args], True
+    yield "rank1-other-ndim", [x[:2].reshape(-1) if rank == 1 else x[:2]] + args[1:], True
+
+
+def _torch_distributed_result(op, args):
+    """What torch.distributed gives for the op on these arguments (the semantics graft must keep)."""
+    import torch
+    import torch.distributed as dist
+
+    ws = dist.get_world_size()
+
+    def gather(t):
+        t = t.contiguous()
+        out = t.new_empty((ws * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t)
+        return out
+
+    def scatter(t):
+        t = t.contiguous()
+        out = t.new_empty((t.shape[0] // ws,) + tuple(t.shape[1:]))
+        dist.reduce_scatter_tensor(out, t)
+        return out
+
+    if op == "all_reduce":
+        out = args[0].contiguous().clone()
+        dist.all_reduce(out)
+        return out
+    if op in ("all_gather", "all_gather_quantized"):
+        return gather(args[0])
+    if op == "reduce_scatter":
+        return scatter(args[0])
+    if op == "gemm_reduce_scatter":
+        return scatter(args[0] @ args[1])
+    return gather(args[0]) @ args[1]
+
+
+def _collective_outcome(op, backend, args):
+    """('error' | 'match' | 'mismatch' | 'exception', detail) on this rank."""
+    import torch
+
+    from graft.errors import GraftError
+    from graft.ops import collectives as C
+
+    try:
+        got = getattr(C, op)(*[a.clone() for a in args])
+    except GraftError as exc:
+        return "error", f"{type(exc).__name__}: {str(exc)[:160]}"
+    except Exception as exc:  # noqa: BLE001 - anything else is a finding
+        return "exception", f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        want = _torch_distributed_result(op, args)
+    except Exception as exc:  # noqa: BLE001
+        return "exception", f"graft returned a result but torch.distributed raised {type(exc).__name__}: {exc}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return "mismatch", f"graft gave {tuple(got.shape)} {got.dtype}, torch.distributed {tuple(want.shape)} {want.dtype}"
+    if backend == "int8" and want.dtype.is_floating_point:
+        from graft.kernels.collectives.quantized_gather import error_bound
+
+        # the bound is per rank's shard (each quantizes its own blocks); NaN/+-Inf exact
+        bound = torch.cat([error_bound(shard, 128) for shard in want.chunk(ws_of_result(), 0)])
+        finite = torch.isfinite(want)
+        ok = all(torch.equal(f(got), f(want)) for f in (torch.isnan, torch.isposinf, torch.isneginf)) and bool(
+            ((got[finite] - want[finite]).abs() <= bound[finite]).all())
+    elif backend == "overlap" or want.dtype == torch.bfloat16:
+        ok = torch.allclose(got, want, rtol=1e-5 if want.dtype != torch.bfloat16 else 2e-2, atol=1e-5, equal_nan=True)
+    else:
+        ok = torch.equal(got, want) or (want.dtype.is_floating_point and torch.allclose(
+            got, want, rtol=0, atol=0, equal_nan=True))
+    return ("match", "") if ok else ("mismatch", f"max diff {(got.double() - want.double()).abs().nan_to_num(0).max()}")
+
+
+def ws_of_result():
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def w_fuzz_collectives(rank, ws):
+    """Every (mode, op, backend, mutation) on this rank: a list of (case, outcome, detail)."""
+    import graft
+    from graft.config import op_env_var
+    from graft import plugins
+
+    results = []
+    for validate, checks in COLLECTIVE_MODES:
+        for op, backends in COLLECTIVE_BACKENDS.items():
+            for backend in backends:
+                for key in [k for k in os.environ if k.startswith("GRAFT_")]:
+                    if key not in ("GRAFT_LOG_LEVEL", "GRAFT_DISABLE_PLUGINS"):
+                        del os.environ[key]
+                os.environ.update({op_env_var(f"collectives.{op}"): backend, "GRAFT_STRICT": "0",
+                                   "GRAFT_COLLECTIVES_VALIDATE": validate, "GRAFT_CHECK_VALUES": checks,
+                                   "GRAFT_COLLECTIVES_TIMEOUT": "5", "GRAFT_OVERLAP_MIN_BYTES": "0",
+                                   "GRAFT_QUANTIZED_GATHER_MIN_BYTES": "0"})
+                graft.reload_config()
+                plugins.reset()
+                for label, args, must_fail in _collective_mutations(op, rank):
+                    outcome, detail = _collective_outcome(op, backend, args)
+                    if must_fail and outcome == "match":
+                        outcome, detail = "mismatch", "ranks called with incompatible inputs and got a result"
+                    results.append((f"{op} {backend} {label} VALIDATE={validate} CHECK_VALUES={checks}",
+                                    outcome, detail))
+    return results
+
+
+def test_hostile_collective_inputs_2_ranks():
+    from _dist_helpers import run_ranks
+    from datetime import timedelta
+
+    per_rank = run_ranks(w_fuzz_collectives, 2, timeout=150, pg_timeout=timedelta(seconds=20))
+    assert per_rank[0], "no case ran"
+    problems = []
+    for (case, o0, d0), (case1, o1, d1) in zip(*per_rank):
+        assert case == case1, (case, case1)
+        if o0 != o1:
+            problems.append(f"{case}: rank 0 {o0} ({d0}), rank 1 {o1} ({d1})")
+        elif o0 not in ("error", "match"):
+            problems.append(f"{case}: {o0}: rank 0: {d0}; rank 1: {d1}")
+    assert not problems, f"{len(problems)} of {len(per_rank[0])} cases:\n" + "\n".join(problems)
+    # errors everywhere would pass the above: the valid and hostile-but-legal inputs must run
+    for case, outcome, detail in per_rank[0]:
+        if case.split()[2] in ("valid", "noncontiguous") or "=nan" in case or "inf " in case:
+            assert outcome == "match", (case, outcome, detail)
 
 
 if __name__ == "__main__":

@@ -415,6 +415,29 @@ def test_env_var_off_gives_megatron_local_spec(megatron_cpu, calls, monkeypatch)
     assert type(layer.self_attention.linear_qkv).__name__ == "ColumnParallelLinear"
 
 
+def test_parts_whose_ops_are_disabled_use_megatrons_local_modules(megatron_cpu, calls, monkeypatch, caplog):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from graft.adapters.megatron import get_gpt_layer_graft_spec
+    from graft.adapters.megatron.activation import integration
+
+    monkeypatch.setenv("GRAFT_DISABLE", "fused.rms_norm,attention.prefill")
+    ok, why = integration().status()
+    assert ok and "left to megatron-core: norm (fused.rms_norm is disabled" in why and "attention (" in why, why
+    with caplog.at_level("WARNING", logger="graft.integration.megatron"):
+        layer = build_module(get_gpt_layer_graft_spec(normalization="RMSNorm"), config=_config(), layer_number=1)
+    assert "megatron's norm stays megatron's own code" in caplog.text
+    assert not type(layer.input_layernorm).__module__.startswith("graft.")
+    assert type(layer.self_attention.core_attention).__name__ == "DotProductAttention"
+    assert type(layer.self_attention.linear_qkv).__name__ == "GraftColumnParallelLinear"  # still graft's
+    x = torch.randn(5, 2, layer.config.hidden_size)
+    out, _ = layer(x, attention_mask=_causal_mask(5))  # Megatron's own attention takes the mask
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    monkeypatch.setenv("GRAFT_DISABLE", "moe")
+    moe = build_module(get_gpt_layer_graft_spec(num_experts=4), config=_config(num_moe_experts=4), layer_number=1)
+    assert type(moe.mlp.experts).__name__ == "SequentialMLP", type(moe.mlp.experts)
+
+
 def test_unsupported_version_is_a_clear_error(fresh_graft, monkeypatch):
     from graft.adapters.megatron import get_gpt_layer_graft_spec
     from graft.adapters.megatron import integration as activation

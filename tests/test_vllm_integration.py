@@ -599,3 +599,32 @@ def _cuda_graph_checks(backend_cls, builder, impl) -> int:
 
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))
+
+
+@needs_vllm
+def test_parts_whose_ops_are_disabled_stay_vllms_own():
+    """GRAFT_DISABLE=fused.rms_norm: vLLM keeps its RMSNorm (said, not claimed), the rest is graft's."""
+    cmd = [sys.executable, "-m", "graft.adapters.vllm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env=_clean_env(GRAFT_DISABLE="fused.rms_norm"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("graft vLLM integration: ready") and "left to vllm: rms_norm" in lines[0], lines[0]
+    assert "  rms_norm: off: fused.rms_norm is disabled by GRAFT_DISABLE=fused.rms_norm" in lines, proc.stdout
+    assert not any(line.startswith("  vLLM RMSNorm -> graft") for line in lines), proc.stdout
+    assert "  vLLM SiluAndMul -> graft.adapters.vllm.custom_ops.GraftSiluAndMul" in lines, proc.stdout
+    assert "stays vllm's own code" in proc.stderr  # logged (once)
+
+
+def test_status_names_parts_left_to_vllm(fresh_graft, monkeypatch):
+    from graft.adapters.vllm.adapter import INTEGRATION
+
+    monkeypatch.setenv("GRAFT_STRICT", "1")
+    monkeypatch.setenv("GRAFT_ATTENTION", "hip")  # no hip impl serves on this CPU: nothing may serve
+    off = INTEGRATION.unavailable_parts()
+    assert set(off) == {"attention"} and "attention.prefill has no implementation that can serve here" in off[
+        "attention"], off
+    monkeypatch.delenv("GRAFT_ATTENTION")
+    monkeypatch.setenv("GRAFT_DISABLE", "fused,gemm,moe,attention")
+    ok, why = INTEGRATION.status()
+    assert not ok and why.startswith("every part needs ops graft cannot serve here"), why

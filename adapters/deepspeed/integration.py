@@ -51,6 +51,8 @@ def integration() -> FrameworkIntegration:
         description="FusedAdam -> fused.adam_step; deepspeed.comm all_reduce/all_gather/reduce_scatter -> "
         "graft collectives (accelerator wrapper + comm backend)",
         env_var=ENV_VAR,
+        needs={"adam": ("fused.adam_step",),
+               "comm": ("collectives.all_reduce", "collectives.all_gather", "collectives.reduce_scatter")},
         notes=[
             "not automatic: call graft.adapters.deepspeed.activate() before deepspeed.initialize(), "
             "or launch with `deepspeed --module graft.adapters.deepspeed train.py`",
@@ -99,6 +101,13 @@ def activate() -> bool:
         log.info("graft's DeepSpeed integration is off: %s", why)
         return False
     integ.check_version()  # missing or unsupported DeepSpeed: a clear error, not a half-working patch
+    from graft.integration import log_part_off
+
+    off = integ.unavailable_parts()
+    for part, reason in off.items():  # graft cannot serve that part's ops: DeepSpeed keeps its own
+        log_part_off("deepspeed", part, reason)
+    if len(off) == len(integ.needs):
+        return False
     with _lock:
         if _active:
             return True
@@ -108,17 +117,19 @@ def activate() -> bool:
         from graft.adapters.deepspeed.accelerator import GraftAccelerator
 
         current = get_accelerator()
-        if not isinstance(current, GraftAccelerator):
+        if "adam" not in off and not isinstance(current, GraftAccelerator):
             wrapped = GraftAccelerator(current)
             set_accelerator(wrapped)
             _undo.append(lambda: set_accelerator(current))
             served = {n: b for n, b in op_builders.BUILDERS.items() if wrapped.graft_serves(n)}
             records = _rebind_builders(current, served)
             _undo.append(lambda: _restore(records))
-        _undo.append(comm.install())
+        if "comm" not in off:
+            _undo.append(comm.install())
         _active = True
-        log.info("graft's DeepSpeed integration is active (accelerator %s, builders %s, comm routed)",
-                 current.__class__.__name__, ", ".join(sorted(op_builders.BUILDERS)))
+        log.info("graft's DeepSpeed integration is active (accelerator %s, builders %s, comm %s)",
+                 current.__class__.__name__, "DeepSpeed's" if "adam" in off else ", ".join(sorted(op_builders.BUILDERS)),
+                 "DeepSpeed's" if "comm" in off else "routed")
         return True
 
 
@@ -147,11 +158,16 @@ def status_lines() -> list:
     accelerator = get_accelerator()
     device = accelerator.device_name()
     x = torch.zeros(8, device="cuda" if device == "cuda" else "cpu")
+    off = integ.unavailable_parts()
     lines = [f"graft DeepSpeed integration: active ({integ.status()[1]})",
              f"  accelerator: {accelerator!r}",
+             f"  comm: DeepSpeed's own ({off['comm']})" if "comm" in off else
              f"  comm backend class: {ds_comm.TorchBackend.__name__} (all_reduce, all_gather_into_tensor, "
              "reduce_scatter_tensor, all_gather -> graft collectives)"]
     for name, graft_builder in sorted(op_builders.BUILDERS.items()):
+        if "adam" in off:
+            lines.append(f"  {name}: DeepSpeed's ({off['adam']})")
+            continue
         if getattr(ds_builders, name, None) is not graft_builder:
             lines.append(f"  {name}: DeepSpeed's (graft does not serve {device})")
             continue

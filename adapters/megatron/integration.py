@@ -35,6 +35,8 @@ def integration() -> FrameworkIntegration:
         description="ModuleSpec provider: RMSNorm -> fused.rms_norm, linears -> gemm.linear, core attention -> "
         "attention.prefill, MoE experts -> moe.fused_experts",
         env_var=ENV_VAR,
+        needs={"norm": ("fused.rms_norm", "fused.layer_norm"), "linear": ("gemm.linear",),
+               "attention": ("attention.prefill",), "moe": ("moe.fused_experts",)},
         notes=["opt-in per model: build layers with graft.adapters.megatron.get_gpt_layer_graft_spec()"],
     )
 

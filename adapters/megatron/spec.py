@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -37,13 +38,20 @@ class GraftSpecProvider(BackendSpecProvider):
     (``fused.layer_norm``) as ``config.normalization`` says, like Megatron's local
     ``WrappedTorchNorm``; other normalizations are refused at build time. ``moe_use_grouped_gemm`` is served by graft's
     fused-experts module as well (graft's grouped GEMM *is* the fused-experts kernel).
+
+    ``off``: parts (``norm``, ``linear``, ``attention``, ``moe``) whose graft ops cannot serve
+    here (``FrameworkIntegration.unavailable_parts``); Megatron's local modules serve those.
     """
 
+    def __init__(self, off=()):
+        self.off = frozenset(off)
+        self._local = LocalSpecProvider()
+
     def column_parallel_linear(self) -> type:
-        return GraftColumnParallelLinear
+        return self._local.column_parallel_linear() if "linear" in self.off else GraftColumnParallelLinear
 
     def row_parallel_linear(self) -> type:
-        return GraftRowParallelLinear
+        return self._local.row_parallel_linear() if "linear" in self.off else GraftRowParallelLinear
 
     def fuse_layernorm_and_linear(self) -> bool:
         return False
@@ -52,15 +60,17 @@ class GraftSpecProvider(BackendSpecProvider):
         return None
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
-        return GraftNorm
+        return self._local.layer_norm(rms_norm, for_qk) if "norm" in self.off else GraftNorm
 
     def core_attention(self) -> type:
-        return GraftDotProductAttention
+        return self._local.core_attention() if "attention" in self.off else GraftDotProductAttention
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
                             ) -> Tuple[type, Optional[MLPSubmodules]]:
-        return GraftSequentialMLP, MLPSubmodules(linear_fc1=GraftColumnParallelLinear,
-                                                 linear_fc2=GraftRowParallelLinear)
+        fc1, fc2 = self.column_parallel_linear(), self.row_parallel_linear()
+        if "moe" in self.off:
+            return SequentialMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+        return GraftSequentialMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
 
     def activation_func(self) -> type:
         return None
@@ -88,9 +98,20 @@ def get_gpt_layer_graft_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     if normalization is not None and normalization not in NORMALIZATIONS:
         raise ValueError(f"get_gpt_layer_graft_spec: normalization must be one of {NORMALIZATIONS} or None "
                          f"(follow config.normalization), got {normalization!r}")
-    backend = GraftSpecProvider()
-    layer_norm = ModuleSpec(module=backend.layer_norm(for_qk=False), params={"expected": normalization})
-    qk_norm = ModuleSpec(module=backend.layer_norm(for_qk=True), params={"expected": normalization})
+    from graft.adapters.megatron.activation import integration
+    from graft.integration import log_part_off
+
+    off = integration().unavailable_parts()
+    for part, why in off.items():
+        log_part_off("megatron", part, why)
+    backend = GraftSpecProvider(off)
+    if "norm" in off:  # Megatron's own norm, chosen as its local spec chooses it
+        rms = normalization == "RMSNorm"
+        layer_norm = ModuleSpec(module=backend.layer_norm(rms_norm=rms, for_qk=False))
+        qk_norm = ModuleSpec(module=backend.layer_norm(rms_norm=rms, for_qk=True))
+    else:
+        layer_norm = ModuleSpec(module=backend.layer_norm(for_qk=False), params={"expected": normalization})
+        qk_norm = ModuleSpec(module=backend.layer_norm(for_qk=True), params={"expected": normalization})
     mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
                                           moe_grouped_gemm=moe_grouped_gemm)
     return ModuleSpec(

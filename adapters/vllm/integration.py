@@ -38,6 +38,14 @@ INTEGRATION = FrameworkIntegration(
     description="vLLM general plugin: RMSNorm/SiluAndMul/RotaryEmbedding CustomOps, unquantized linear and "
     "fused-MoE methods, and the GRAFT attention backend, all calling graft ops",
     env_var=ENV_VAR,
+    needs={
+        "rms_norm": ("fused.rms_norm",),
+        "silu_and_mul": ("fused.silu_and_mul",),
+        "rotary_embedding": ("fused.rotary_embedding",),
+        "linear": ("gemm.linear",),
+        "moe": ("moe.fused_experts",),
+        "attention": ("attention.prefill", "attention.decode_paged"),
+    },
     notes=[
         "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
         "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",

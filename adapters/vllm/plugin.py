@@ -81,8 +81,16 @@ def activate() -> dict:
     with _lock:
         if _summary is not None:
             return _summary
-        parts = selected_parts()
+        from graft.adapters.vllm.adapter import INTEGRATION
+        from graft.integration import log_part_off
+
         summary: dict = {}
+        off = INTEGRATION.unavailable_parts()
+        for part in selected_parts():
+            if part in off:  # graft cannot serve its ops here: vLLM keeps its own layer
+                summary[part] = f"off: {off[part]}"
+                log_part_off("vllm", part, off[part])
+        parts = tuple(p for p in selected_parts() if p not in off)
         for part in parts:
             if part in summary:
                 continue  # registered together with an earlier part

@@ -277,6 +277,11 @@ def collective_error(op: str, pg, exc: BaseException) -> GraftCollectiveError:
                 "call it (it skipped the call, called another collective, or is stuck or gone)")
     else:
         head = f"{op} on {describe_group(pg)} failed: a peer left the group or the transport failed"
+    from .agreement import pending_peer_calls  # failure path only: no cost on the per-call path
+
+    pending = pending_peer_calls(pg)
+    if pending:  # a peer is in an agreement on a new signature while this rank ran an agreed one
+        head += f"; {pending} (this rank called {op} with a signature agreed earlier)"
     return GraftCollectiveError(f"{head} [{type(exc).__name__}: {text}]")
 
 

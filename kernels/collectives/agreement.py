@@ -124,9 +124,15 @@ def _exchange(pg, ws: int, rank: int, text: str, op: str) -> list:
             missing = []
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "a rank"
         limit = f"{timeout:g} s" + (f" ({TIMEOUT_VAR})" if settings().timeout_s else " (the process group's timeout)")
+        try:
+            mine = f"{op}: {_describe(json.loads(text))}"
+        except Exception:
+            mine = op
         raise GraftCollectiveError(
-            f"{op} on {describe_group(pg)}: {who} did not reach this call within {limit}: they skipped it, "
-            f"called another collective, or are stuck or gone [{type(exc).__name__}: {str(exc).strip()[:200]}]"
+            f"{op} on {describe_group(pg)}: {who} did not reach this call ({mine}) within {limit}: they skipped "
+            "it, called another collective, or called a signature they had agreed on before (a per-call "
+            "mismatch only GRAFT_COLLECTIVES_VALIDATE=always checks) "
+            f"[{type(exc).__name__}: {str(exc).strip()[:200]}]"
         ) from None
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     if seq:  # every peer has written row `seq`, so all of them have read row `seq - 1`
@@ -135,6 +141,27 @@ def _exchange(pg, ws: int, rank: int, text: str, op: str) -> list:
         except Exception:
             pass
     return [v.decode() if isinstance(v, (bytes, bytearray)) else str(v) for v in values]
+
+
+def pending_peer_calls(pg) -> str:
+    """Failure path only (a collective timed out): the calls peers are waiting to agree on
+    that this rank never joined, read from the store without waiting; "" if none."""
+    store = _store(pg)
+    if store is None:
+        return ""
+    try:
+        ws, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        seq = _seq.get(pg, 0)
+        lines = []
+        for r in range(ws):
+            key = f"graft/agree/{seq}/{r}"
+            if r != rank and store.check([key]):
+                value = store.get(key)
+                row = json.loads(value.decode() if isinstance(value, (bytes, bytearray)) else value)
+                lines.append(f"rank {r} is waiting to agree on {row['op']}: {_describe(row)}")
+    except Exception:  # best effort: the store may be gone with the peer
+        return ""
+    return "; ".join(lines)
 
 
 def agree(call: Call, pg, ws: int, rank: int, args: tuple, kwargs: dict | None = None) -> None:
