@@ -230,6 +230,14 @@ class CallCounter:
         """Count a call graft served: key ``"<op>:<backend>"``."""
         self.count(f"{op}:{backend}", n)
 
+    def run(self, op: str, *args):
+        """Run a graft op (one validation and selection) and count the backend that served it."""
+        from graft import dispatch
+
+        out, impl = dispatch.run(op, *args)
+        self.served(op, impl.backend)
+        return out
+
     def served_calls(self) -> dict:
         """``{"<op>:<backend>": n}`` for the calls graft served (fallbacks excluded)."""
         return {k: v for k, v in self.calls.items() if ":" in k and not k.startswith("fallback.")}

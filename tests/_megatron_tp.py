@@ -20,14 +20,14 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
     tp = dist.get_world_size()
     tokens, positions, labels, mask = megatron_step.batch()
     result = {"losses": {"local": [], "graft": []}, "grad_diff": {}}
     with megatron_step.model_parallel(tp):
         local, grafted = megatron_step.build_pair(tp)
-        stats.reset()
+        counter.reset()
         for _ in range(2):
             for name, model, m in (("local", local, mask), ("graft", grafted, None)):
                 loss = model(tokens, positions, attention_mask=m, labels=labels).mean()
@@ -39,7 +39,7 @@ def main():
                 diff = (q.grad - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-12)
                 result["grad_diff"][name] = max(diff, result["grad_diff"].get(name, 0.0))
                 p.grad = q.grad = None
-        result["calls"] = dict(stats.calls)
+        result["calls"] = dict(counter.calls)
         import graft
 
         result["served"] = graft.served_calls("megatron")  # the public view of the same counters

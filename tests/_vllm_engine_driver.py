@@ -78,9 +78,9 @@ def _in_process_counter():
     """graft's vLLM counters when the engine runs in this process (fallbacks are not sent over RPC)."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or os.environ.get("GRAFT_VLLM") == "0":
         return None
-    from graft.adapters.vllm import stats
+    from graft.adapters.vllm.integration import counter
 
-    return stats.counter
+    return counter
 
 
 def bf16_silu_and_mul() -> dict:
@@ -125,18 +125,18 @@ def main(scenario: str, workdir: str) -> dict:
     if scenario in ("on", "off"):
         out["status"] = status_command()
     if scenario in ("on", "off"):
-        from graft.adapters.vllm import stats
+        from graft.adapters.vllm.integration import counter
 
         for name in MODELS:
-            stats.reset()  # in-process engines share this process's counters
+            counter.reset()  # in-process engines share this process's counters
             out[name], out[f"{name} served"], out[f"{name} fallbacks"] = generate(
                 paths[name], [PROMPTS, PREFIX_ROUND], 16)
     if scenario == "off":
         out["bf16 silu_and_mul"] = bf16_silu_and_mul()
     if scenario in ("off", "triton"):
-        from graft.adapters.vllm import stats
+        from graft.adapters.vllm.integration import counter
 
-        stats.reset()
+        counter.reset()
         out["llama short"], out["llama short served"], out["llama short fallbacks"] = generate(
             paths["llama"], [SHORT], 4)
     from graft.adapters.vllm import plugin

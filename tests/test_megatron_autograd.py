@@ -24,10 +24,10 @@ def forward_only_rms_norm(fresh_graft, monkeypatch):
     import graft
 
     graft.reload_config()
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
-    stats.reset()
-    return stats.calls
+    counter.reset()
+    return counter.calls
 
 
 def test_forward_only_implementation_trains_through_the_reference(forward_only_rms_norm):

@@ -19,10 +19,10 @@ VOCAB, SEQ, BATCH = 112, 48, 2
 
 @pytest.fixture
 def calls(fresh_graft):
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
-    stats.reset()
-    return stats.calls
+    counter.reset()
+    return counter.calls
 
 
 def _models(fused_loss=True, share=False):

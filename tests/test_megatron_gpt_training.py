@@ -25,7 +25,7 @@ def _gpt_pair_rank(rank, world_size):
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from graft.adapters.megatron import get_gpt_layer_graft_spec, stats
+    from graft.adapters.megatron import counter, get_gpt_layer_graft_spec
 
     class _Buffer:
         def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
@@ -59,7 +59,7 @@ def _gpt_pair_rank(rank, world_size):
     positions = torch.arange(SEQ)[None]
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
     loss_ref = local(tokens, positions, attention_mask=mask, labels=labels)
-    stats.reset()
+    counter.reset()
     loss_graft = grafted(tokens, positions, attention_mask=mask, labels=labels)
     loss_ref.mean().backward()
     loss_graft.mean().backward()
@@ -67,7 +67,7 @@ def _gpt_pair_rank(rank, world_size):
                    for n, p in local.named_parameters())
     parallel_state.destroy_model_parallel()
     # plain Python values: tensors sent through the result queue would outlive their process's memory
-    return loss_ref.detach().tolist(), loss_graft.detach().tolist(), grad_err, dict(stats.calls)
+    return loss_ref.detach().tolist(), loss_graft.detach().tolist(), grad_err, dict(counter.calls)
 
 
 @pytest.mark.multiprocess

@@ -131,10 +131,10 @@ def _causal_mask(seq):
 
 @pytest.fixture
 def calls(fresh_graft):
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
-    stats.reset()
-    return stats.calls
+    counter.reset()
+    return counter.calls
 
 
 @pytest.mark.parametrize("qk_layernorm", [False, True])
@@ -306,13 +306,13 @@ def test_causal_mask_is_served_and_other_masks_fall_back(megatron_cpu, calls, ca
 
 def test_call_counter_is_torch_compile_safe(calls, caplog):
     """Counting and fallback logging inside a compiled region: no graph break, recorded on every run."""
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
     caplog.set_level(logging.INFO, logger="graft.integration.megatron")
 
     def fn(x):
-        stats.count("probe:compiled")
-        stats.fallback("Probe", "traced reason")
+        counter.count("probe:compiled")
+        counter.fallback("Probe", "traced reason")
         return x * 2
 
     torch._dynamo.reset()
@@ -322,7 +322,7 @@ def test_call_counter_is_torch_compile_safe(calls, caplog):
     assert calls["probe:compiled"] == 3 and calls["fallback.Probe"] == 3, dict(calls)
     logged = [r.getMessage() for r in caplog.records if r.name == "graft.integration.megatron"]
     assert logged == ["graft did not serve Probe (traced reason); megatron's own code ran it"], logged
-    stats.reset()
+    counter.reset()
     assert not calls
     compiled(torch.ones(3))  # reset forgets what was logged, too
     assert calls["fallback.Probe"] == 1 and len([r for r in caplog.records if r.name == "graft.integration.megatron"]) == 2

@@ -446,7 +446,7 @@ def _batch_invariant_fallback(layer, checks, calls) -> None:
 
     import torch
 
-    from graft.adapters.vllm import stats
+    from graft.adapters.vllm.integration import counter
 
     records = []
     handler = logging.Handler()
@@ -455,7 +455,7 @@ def _batch_invariant_fallback(layer, checks, calls) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
-    before, counted = len(calls), stats.calls["fallback.linear"]
+    before, counted = len(calls), counter.calls["fallback.linear"]
     x = torch.randn(3, layer.weight.shape[1])
     for _ in range(2):
         y = layer(x)
@@ -464,7 +464,7 @@ def _batch_invariant_fallback(layer, checks, calls) -> None:
     del os.environ["VLLM_BATCH_INVARIANT"]
     logger.removeHandler(handler)
     assert calls[before:] == [], "graft's gemm.linear must not run in batch-invariant mode"
-    assert stats.calls["fallback.linear"] - counted == 2, dict(stats.calls)
+    assert counter.calls["fallback.linear"] - counted == 2, dict(counter.calls)
     assert records == [(logging.INFO, "graft did not serve linear (VLLM_BATCH_INVARIANT=1); vllm's own code ran it")], records
 
 
@@ -478,7 +478,7 @@ def _attention_checks(backend_cls, calls) -> int:
     from graft.adapters.vllm.attention import split_kv_cache
 
     import graft
-    from graft.adapters.vllm import stats
+    from graft.adapters.vllm.integration import counter
 
     heads, kv_heads, head, block, num_blocks = 4, 2, 16, 4, 24
     count = 0
@@ -491,7 +491,7 @@ def _attention_checks(backend_cls, calls) -> int:
     for config, query_lens, seq_lens in (({}, [1, 1, 3, 4], [5, 2, 7, 4]), ({}, [3, 5], [3, 5]),
                                          (gather, [1, 1, 3, 4], [5, 2, 7, 4])):
         for dtype in (torch.float32, torch.bfloat16):
-            served, gathered = stats.served_calls(), stats.counter.fallbacks().get("attention.prefill_gather", 0)
+            served, gathered = counter.served_calls(), counter.fallbacks().get("attention.prefill_gather", 0)
             spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
             shape = compute_layer_kv_cache_shape_bytes(spec, num_blocks)  # vLLM's own allocation shape
             assert shape[:-1] == backend_cls.get_kv_cache_shape(num_blocks, block, kv_heads, head)[:-1]
@@ -531,15 +531,15 @@ def _attention_checks(backend_cls, calls) -> int:
             output = torch.zeros(total + pad, heads * head, dtype=dtype)
             with graft.override_config(**config):
                 impl.forward(None, query, key, value, kv_cache, meta, output)
-            now = stats.served_calls()
+            now = counter.served_calls()
             new_ops = {k.split(":")[0] for k in now if now[k] != served.get(k, 0)}
             has_context = seq_lens != query_lens
             if has_context and not config:  # read through the block table, no gather
                 assert "attention.prefill_paged" in new_ops, now
-                assert stats.counter.fallbacks().get("attention.prefill_gather", 0) == gathered
+                assert counter.fallbacks().get("attention.prefill_gather", 0) == gathered
             elif has_context:
                 assert "attention.prefill_paged" not in new_ops and now.get("attention.prefill:triton"), now
-                assert stats.counter.fallbacks()["attention.prefill_gather"] == gathered + 1
+                assert counter.fallbacks()["attention.prefill_gather"] == gathered + 1
             else:  # fresh prefills: the new keys/values themselves
                 assert "attention.prefill" in new_ops and "attention.prefill_paged" not in new_ops, now
             want = torch.zeros(total, heads, head)

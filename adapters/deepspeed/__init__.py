@@ -11,6 +11,8 @@ or without touching the script: ``deepspeed --module graft.adapters.deepspeed tr
 turns it off. Importing this package does not import DeepSpeed.
 """
 from graft.adapters.deepspeed.integration import ENV_VAR, SUPPORTED, activate, deactivate, integration, is_active
-from graft.adapters.deepspeed.stats import calls
+from graft.adapters.deepspeed.integration import counter
 
-__all__ = ["ENV_VAR", "SUPPORTED", "activate", "deactivate", "integration", "is_active", "calls"]
+__all__ = ["ENV_VAR", "SUPPORTED", "activate", "deactivate", "integration", "is_active", "calls", "counter"]
+
+calls = counter.calls  # what graft served here (see integration.counter)

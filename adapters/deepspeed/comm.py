@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.comm.torch import TorchBackend
 
-from graft.adapters.deepspeed.stats import count, fallback
+from graft.adapters.deepspeed.integration import counter
 
 # The dtypes graft's collectives ops are specified for.
 ROUTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -59,8 +59,8 @@ def _served(kind: str):
     key = f"collectives.{kind}"
 
     def served(backend: str) -> None:
-        count(key)
-        count(f"{key}:{backend}")
+        counter.count(key)
+        counter.count(f"{key}:{backend}")
 
     return served
 
@@ -95,7 +95,7 @@ class GraftTorchBackend(TorchBackend):
         name = _reduce_name(self._reduce_op(op))
         reason = _reduce_reason(name, op) or _unroutable_reason(tensor)
         if reason is not None:
-            fallback("all_reduce", reason)
+            counter.fallback("all_reduce", reason)
             return super().all_reduce(tensor, op, group, async_op)
         from graft.kernels.collectives._common import Work, resolve_group
         from graft.ops import collectives
@@ -113,7 +113,7 @@ class GraftTorchBackend(TorchBackend):
         name = _reduce_name(self._reduce_op(op))
         reason = _reduce_reason(name, op) or _unroutable_reason(tensor)
         if reason is not None:
-            fallback("inference_all_reduce", reason)
+            counter.fallback("inference_all_reduce", reason)
             return super().inference_all_reduce(tensor, op, group)
         from graft.ops import collectives
 
@@ -122,13 +122,13 @@ class GraftTorchBackend(TorchBackend):
         else:
             with torch.no_grad():
                 tensor.copy_(graft_collective("all_reduce", tensor, group, name).view(tensor.shape))
-        count("inference_all_reduce")
+        counter.count("inference_all_reduce")
         return tensor
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
         reason = _unroutable_reason(output_tensor, input_tensor)
         if reason is not None:
-            fallback("all_gather_into_tensor", reason)
+            counter.fallback("all_gather_into_tensor", reason)
             return super().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
         from graft.ops import collectives
 
@@ -139,7 +139,7 @@ class GraftTorchBackend(TorchBackend):
         name = _reduce_name(self._reduce_op(op))
         reason = _reduce_reason(name, op) or _unroutable_reason(output_tensor, input_tensor)
         if reason is not None:
-            fallback("reduce_scatter_tensor", reason)
+            counter.fallback("reduce_scatter_tensor", reason)
             return super().reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
         from graft.ops import collectives
 
@@ -151,7 +151,7 @@ class GraftTorchBackend(TorchBackend):
         reason = None if same else "output list differs from the input in shape or dtype"
         reason = reason or _unroutable_reason(tensor)
         if reason is not None:
-            fallback("all_gather", reason)
+            counter.fallback("all_gather", reason)
             return super().all_gather(tensor_list, tensor, group, async_op)
         from graft.kernels.collectives._common import Work, resolve_group
         from graft.ops import collectives

@@ -22,7 +22,7 @@ import sys
 import threading
 
 from graft import config
-from graft.integration import FrameworkIntegration
+from graft.integration import CallCounter, FrameworkIntegration
 
 log = logging.getLogger("graft.adapters.deepspeed")
 
@@ -174,3 +174,10 @@ def status_lines() -> list:
         backend = select(graft_builder.GRAFT_OP, x, x, x, x, 1e-3, 0.9, 0.999, 1e-8, 1).backend
         lines.append(f"  {name}: graft ({graft_builder.GRAFT_OP}, {backend} implementation on {device})")
     return lines
+
+
+# What graft served inside DeepSpeed, per entry point: e.g. "collectives.all_reduce" routed
+# all-reduces, "fused.adam_step" tensors updated by graft's Adam (also under
+# "<op>:<backend>"), "fallback.*" calls left to torch.distributed (each reason logged once
+# on graft.integration.deepspeed).
+counter = CallCounter("deepspeed")

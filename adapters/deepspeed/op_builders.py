@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from graft.adapters.deepspeed.stats import count, served
+from graft.adapters.deepspeed.integration import counter
 
 
 class _GraftBuilder(OpBuilder):
@@ -60,7 +60,7 @@ class FusedAdamOps:
         with torch.no_grad():
             _adam_into(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode,
                        bias_correction)
-        count("fused_adam.multi_tensor_adam")
+        counter.count("fused_adam.multi_tensor_adam")
 
 
 class FusedAdamBuilder(_GraftBuilder):
@@ -86,7 +86,8 @@ def _adam_into(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
     backend = adam_step_(params, grads, exp_avgs, exp_avg_sqs, float(lr), float(beta1), float(beta2), float(eps),
                          int(step), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
     if backend is not None:
-        served("fused.adam_step", backend, len(params))
+        counter.count("fused.adam_step", len(params))
+        counter.served("fused.adam_step", backend, len(params))
 
 
 class CPUAdamOps:
@@ -114,7 +115,7 @@ class CPUAdamOps:
         with torch.no_grad():
             _adam_into([params], [grads], [exp_avg], [exp_avg_sq], lr, beta1, beta2, eps, step, weight_decay,
                        cls._modes.get(opt_id, True), bias_correction)
-        count("cpu_adam.adam_update")
+        counter.count("cpu_adam.adam_update")
         return 0
 
     @classmethod

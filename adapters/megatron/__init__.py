@@ -11,7 +11,7 @@ attention and MoE experts run on graft ops.
 Importing this package does not import Megatron; the spec helpers do, on first use.
 """
 from graft.adapters.megatron.integration import ENV_VAR, SUPPORTED, activate, enabled, integration
-from graft.adapters.megatron.stats import calls
+from graft.adapters.megatron.integration import counter
 
 
 def get_gpt_layer_graft_spec(*args, **kwargs):
@@ -32,5 +32,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ENV_VAR", "SUPPORTED", "activate", "enabled", "integration", "calls", "get_gpt_layer_graft_spec",
+__all__ = ["ENV_VAR", "SUPPORTED", "activate", "enabled", "integration", "calls", "counter", "get_gpt_layer_graft_spec",
            "GraftSpecProvider", "GraftGPTModel"]
+
+calls = counter.calls  # what graft served here (see integration.counter)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from graft.adapters.megatron.stats import count, fallback
+from graft.adapters.megatron.integration import counter
 from graft.custom_ops import has_backward
 from graft.dispatch import run
 
@@ -72,10 +72,10 @@ def call_with_reference_grad(op: str, reference, *args):
     differentiated, counted as ``fallback.reference_backward`` and logged.
     """
     out, impl = run(op, *args)
-    count(f"{op}:{impl.backend}")
+    counter.served(op, impl.backend)
     if _trains_itself(impl) or not torch.is_grad_enabled() \
             or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return out
-    fallback("reference_backward", f"{op}: the {impl.backend} implementation has no registered backward; "
+    counter.fallback("reference_backward", f"{op}: the {impl.backend} implementation has no registered backward; "
                                    "backward recomputes the torch reference")
     return _ReferenceGrad.apply(out.detach(), reference, *args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from graft import config
-from graft.integration import FrameworkIntegration
+from graft.integration import CallCounter, FrameworkIntegration
 
 log = logging.getLogger("graft.adapters.megatron")
 
@@ -55,3 +55,9 @@ def enabled() -> bool:
 def activate() -> bool:
     """Check the switch and the version (Megatron needs no patching: graft's spec is passed in)."""
     return enabled()
+
+
+# What graft served inside Megatron-core modules: keys "<op>:<backend>" ("gemm.linear:triton")
+# and "fallback.<module>" for calls handed back to Megatron's own code (each reason logged
+# once on graft.integration.megatron).
+counter = CallCounter("megatron")

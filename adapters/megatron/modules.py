@@ -15,7 +15,7 @@ changes:
 
 When a call needs a feature the graft path does not cover (listed per class), the module
 runs Megatron's own code for it, counts a ``fallback.*`` in
-:data:`graft.adapters.megatron.stats.calls` and logs the reason once (INFO,
+:data:`graft.adapters.megatron.counter.calls` and logs the reason once (INFO,
 ``graft.integration.megatron``).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from graft.adapters.megatron._autograd import call_with_reference_grad
-from graft.adapters.megatron.stats import counter, fallback
+from graft.adapters.megatron.integration import counter
 from graft.dispatch import run
 from graft.ops.attention import prefill_reference
 from graft.ops.fused import layer_norm_reference, rms_norm_reference
@@ -74,7 +74,7 @@ class _GraftLocalGemm:
         if reason is None and kwargs.get("allreduce_dgrad") and not weight.requires_grad:
             reason = "allreduce_dgrad with a frozen weight"
         if reason is not None:
-            fallback(type(self).__name__, reason)
+            counter.fallback(type(self).__name__, reason)
             return super()._forward_impl(input, weight, *args, **kwargs)
         bias = kwargs.get("bias")
         if kwargs.get("allreduce_dgrad") and torch.is_grad_enabled():
@@ -260,7 +260,7 @@ class GraftDotProductAttention(DotProductAttention):
         if reason is not None:
             if packed_seq_params is not None:
                 raise NotImplementedError(f"graft's core attention cannot serve packed sequences with {reason}")
-            fallback("GraftDotProductAttention", reason)
+            counter.fallback("GraftDotProductAttention", reason)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, None)
         causal = mask_type == AttnMaskType.causal
         if packed_seq_params is not None:
@@ -319,7 +319,7 @@ class GraftSequentialMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         reason = self._config_reason
         if reason is not None:
-            fallback("GraftSequentialMLP", reason)
+            counter.fallback("GraftSequentialMLP", reason)
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         hidden = permuted_local_hidden_states
         w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]: gate rows, then up

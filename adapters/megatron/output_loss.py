@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from graft import config
 from graft.adapters.megatron._autograd import call_with_reference_grad
 from graft.adapters.megatron.integration import FUSED_LOSS_ENV_VAR
-from graft.adapters.megatron.stats import fallback
+from graft.adapters.megatron.integration import counter
 from graft.ops.loss import fused_linear_cross_entropy_reference
 
 log = logging.getLogger("graft.integration.megatron")
@@ -106,7 +106,7 @@ class GraftGPTModel(GPTModel):
             elif inference_context is not None or kwargs.get("inference_params") is not None:
                 reason = "inference context"
         if reason is not None:
-            fallback(FALLBACK, reason)
+            counter.fallback(FALLBACK, reason)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels, inference_context,
                                    *args, **kwargs)
         self.output_layer._graft_labels = labels

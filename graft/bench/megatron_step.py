@@ -91,7 +91,7 @@ def train_step(model, mask, tokens, positions, labels) -> float:
 def measure(tps, rounds: int, progress=print) -> list:
     import torch.distributed as dist
 
-    from graft.adapters.megatron import stats
+    from graft.adapters.megatron.integration import counter
 
     tokens, positions, labels, mask = batch()
     rows = []
@@ -101,9 +101,9 @@ def measure(tps, rounds: int, progress=print) -> list:
             losses = {"local": [], "graft": []}
             steps = {"local": lambda: losses["local"].append(train_step(local, mask, tokens, positions, labels)),
                      "graft": lambda: losses["graft"].append(train_step(grafted, None, tokens, positions, labels))}
-            before = dict(stats.calls)
+            before = dict(counter.calls)
             times = interleaved(steps, rounds=rounds, sync=dist.barrier)
-            calls = {k: v - before.get(k, 0) for k, v in stats.calls.items() if v != before.get(k, 0)}
+            calls = {k: v - before.get(k, 0) for k, v in counter.calls.items() if v != before.get(k, 0)}
         row = {"tp": tp, "local_ms": times["local"] * 1e3, "graft_ms": times["graft"] * 1e3,
                "ratio": times.ratio("graft", "local"), "served": calls,
                "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses["local"]))}
