@@ -256,6 +256,7 @@ OPS = [
         reference=rms_norm_reference,
         description="RMSNorm over the last dim (fp32 reduction), optionally fused with the residual add",
         validate=validate_rms_norm,
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.layer_norm",
@@ -264,6 +265,7 @@ OPS = [
         reference=layer_norm_reference,
         description="LayerNorm over the last dim (fp32 mean and variance, biased), optional bias",
         validate=validate_layer_norm,
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.silu_and_mul",
@@ -272,6 +274,7 @@ OPS = [
         reference=silu_and_mul_reference,
         description="silu(x[..., :D]) * x[..., D:] (gated-MLP activation)",
         validate=validate_silu_and_mul,
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.rotary_embedding",
