@@ -3,8 +3,13 @@
 The hot path does no work that can be done once. Per (op, device, dtype) a *plan* is
 built on the first call and kept until the configuration is reloaded or the caches are
 reset: the implementations that can serve statically, in priority order, up to the first
-one without a per-call check. A call then costs the op's input validation, one dict
-lookup and the per-call checks of the impls ranked above the chosen one.
+one without a per-call check. Arguments whose signature (tensor shapes, dtypes and
+devices; scalar types and values: see ``_signature_key``) already passed the op's
+validation map straight to their plan, so a repeated call costs one key, one dict lookup
+and the per-call checks of the impls ranked above the chosen one. Validation still runs on
+every call for ops whose checks read tensor values while value checks are on, for ops
+marked ``validate_cache="never"``, under torch.compile, and for arguments that cannot be
+keyed (lists, tensor subclasses, NaN scalars).
 """
 from __future__ import annotations
 
@@ -61,11 +66,18 @@ class _Op:
         # Signature (see _signature_key) of arguments that passed validation -> their plan:
         # one key and one lookup instead of validating and looking the plan up.
         self.validated = {}
-        # Collectives validate through their own per-signature plans (fastpath.plan), which
-        # also hold the cross-rank agreement; other ops through a signature key.
         self.collective = spec.family == "collectives"
-        keyed = keyed and spec.validate is not None and not self.collective and spec.validate_cache != "never"
-        self.key = _signature_key(spec.validate) if keyed else None
+        keyed = keyed and spec.validate is not None and spec.validate_cache != "never"
+        key = _signature_key(spec.validate) if keyed else None
+        if key is not None and self.collective:
+            # A collective's validation includes the cross-rank agreement, made for one
+            # process group: the default group is part of the signature (a group passed as
+            # an object is not keyable: those calls validate through fastpath.plan).
+            base = key
+
+            def key(*args, **kwargs):
+                return base(*args, **kwargs), _default_group()
+        self.key = key
 
 
 _ops: dict = {}  # op -> _Op
@@ -160,7 +172,12 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
                 error = exc
     # Plans are rebuilt when the configuration changes, and so is this decision.
     mode = state.spec.validate_cache
-    keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
+    if state.collective:  # metadata only; GRAFT_COLLECTIVES_VALIDATE=always agrees on every call
+        from graft.kernels.collectives._common import settings
+
+        keep = device is not None and settings().validate != "always"
+    else:
+        keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
     plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep)
     state.plans[(device, dtype)] = plan
     return plan
@@ -213,11 +230,22 @@ def select(op: str, *args, **kwargs) -> Implementation:
     return _choose(op, _plan_for(_op(op), args, kwargs), args, kwargs)
 
 
-def _validate(state: _Op, args, kwargs) -> None:
-    if state.collective and not kwargs and not _is_compiling():
-        from graft.kernels.collectives import fastpath
+_collective_plan = None  # graft.kernels.collectives.fastpath.plan, imported on first use
 
-        fastpath.plan(state.name, *args)  # validates, and agrees across ranks, once per signature
+
+def _default_group():
+    try:
+        return torch.distributed.distributed_c10d._world.default_pg
+    except AttributeError:  # private API moved, or no torch.distributed: nothing cached then
+        return _UNHASHABLE
+
+
+def _validate(state: _Op, args, kwargs) -> None:
+    global _collective_plan
+    if state.collective and not kwargs and not _is_compiling():
+        if _collective_plan is None:
+            from graft.kernels.collectives.fastpath import plan as _collective_plan
+        _collective_plan(state.name, *args)  # validates, and agrees across ranks, once per signature
         return
     state.validate(*args, **kwargs)
 
@@ -238,8 +266,16 @@ def _make_entry(with_impl: bool):
                 key = None
         if plan is None:
             if state.validate is not None:
-                _validate(state, args, kwargs)
-            plan = _plan_for(state, args, kwargs)
+                if state.collective:
+                    _validate(state, args, kwargs)
+                else:
+                    state.validate(*args, **kwargs)
+            key_arg = state.key_arg
+            tensor = args[key_arg] if len(args) > key_arg else None
+            if isinstance(tensor, torch.Tensor):  # _plan_for, inlined (ops validated every call take this path)
+                plan = state.plans.get((tensor.device, tensor.dtype))
+            if plan is None:
+                plan = _plan_for(state, args, kwargs)
             if key is not None and plan.keep:
                 validated = state.validated
                 if len(validated) >= _MAX_VALID:

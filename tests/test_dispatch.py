@@ -257,3 +257,41 @@ def test_signature_key_binds_keywords_and_defaults_as_the_validator_does():
     with pytest.raises(TypeError):
         key(x)  # unbindable: the validator names the problem
     assert dispatch._signature_key(lambda *a: None) is None
+
+
+@pytest.mark.timeout(120)
+def test_collective_signatures_are_per_default_group_and_never_with_validate_always(fresh_graft, monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    from graft.errors import GraftInputError
+
+    def init():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    x = torch.randn(6)
+    init()
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(dispatch.call("collectives.all_reduce", x), x)
+        state = dispatch._ops["collectives.all_reduce"]
+        assert len(state.validated) == 1
+        with pytest.raises(GraftInputError, match="op must be one of"):
+            dispatch.call("collectives.all_reduce", x, None, "mean")
+        with graft.override_config(GRAFT_COLLECTIVES_VALIDATE="always"):
+            dispatch.call("collectives.all_reduce", x)
+            assert not dispatch._ops["collectives.all_reduce"].validated
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(GraftInputError, match="not initialized"):  # a remembered signature is of the old group
+        dispatch.call("collectives.all_reduce", x)
+    init()
+    try:
+        dispatch.call("collectives.all_reduce", x)
+        assert len(dispatch._ops["collectives.all_reduce"].validated) == 1
+    finally:
+        dist.destroy_process_group()
