@@ -6,7 +6,8 @@ Two measurements per op, each interleaved (medians of per-round differences):
 
 * ``overhead_us``, graft's own cost: the selected implementation's function is swapped,
   for the measurement only, for a stub that returns a precomputed output, and
-  ``dispatch.call`` is timed against calling that stub directly, many calls a round. The
+  ``dispatch.call`` is timed against calling that stub directly (61 rounds of 200 calls:
+  many short rounds, so a descheduled spell spoils few of them). The
   kernel's time (and its noise, tens to thousands of us on a shared CPU) drops out, so
   the difference is what graft adds, to a fraction of a microsecond. Measured with value
   checks off (the GPU default: each is a device sync there) and, as
@@ -56,7 +57,7 @@ def stubbed(impl, output):
 
 
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
-            stub_rounds: int | None = None, stub_inner: int = 500) -> list:
+            stub_rounds: int = 61, stub_inner: int = 200) -> list:
     import graft
 
     registry = graft.get_registry()
@@ -88,7 +89,7 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
                     # No sync: the stubbed calls do not communicate, so no rank waits for another.
                     own[checks] = interleaved({"graft": lambda: call(op, *args, **kwargs),
                                                "stub": lambda: stub(*args, **kwargs)},
-                                              rounds=stub_rounds or rounds, inner=stub_inner)
+                                              rounds=stub_rounds, inner=stub_inner)
         row = {"op": op, "case": case.name, "dtype": str(dtype).replace("torch.", ""), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
                "real_overhead_us": real.difference("graft", "direct") * 1e6,
