@@ -3,11 +3,17 @@
 The hot path does no work that can be done once. Per (op, device, dtype) a *plan* is
 built on the first call and kept until the configuration is reloaded or the caches are
 reset: the implementations that can serve statically, in priority order, up to the first
-one without a per-call check. A call then costs the op's input validation, one dict
-lookup and the per-call checks of the impls ranked above the chosen one.
+one without a per-call check. Arguments whose signature (tensor shapes, dtypes and
+devices; scalar types and values: see ``_signature_key``) already passed the op's
+validation map straight to their plan, so a repeated call costs one key, one dict lookup
+and the per-call checks of the impls ranked above the chosen one. Validation still runs on
+every call for ops whose checks read tensor values while value checks are on, for ops
+marked ``validate_cache="never"``, under torch.compile, and for arguments that cannot be
+keyed (lists, tensor subclasses, NaN scalars).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -16,17 +22,24 @@ from graft import config, selection
 from graft.errors import GraftUnsupportedError
 from graft.platform import device_info
 from graft.plugins import get_registry
+from graft.ops._validate import value_checks_on
 from graft.registry import Implementation, key_tensor
+
+_is_compiling = torch.compiler.is_compiling
 
 log = logging.getLogger("graft.dispatch")
 
 
+_MAX_VALID = 1024  # argument signatures remembered per op (cleared, not evicted one by one, past this)
+
+
 class _Plan:
-    """What serves one (op, device, dtype): statically usable impls in order."""
+    """What serves one (op, device, dtype): statically usable impls in order, and the
+    argument signatures that already passed the op's validation."""
 
-    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing")
+    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep")
 
-    def __init__(self, impls, error, source, requested, strict, missing):
+    def __init__(self, impls, error, source, requested, strict, missing, keep):
         self.impls = impls  # tuple of Implementation, ending at the first one without a check
         self.error = error  # GraftUnsupportedError to raise on every call, or None
         # The common case, one impl and no per-call check: no loop at all.
@@ -35,31 +48,104 @@ class _Plan:
         self.requested = requested
         self.strict = strict
         self.missing = missing
+        # Whether argument signatures that pass validation may be remembered (_Op.validated).
+        self.keep = keep
 
 
-_plans: dict = {}  # (op, device, dtype) -> _Plan
-_entries: dict = {}  # op -> (spec, validate, key_arg)
+class _Op:
+    """Per-op state of the hot path: the spec's parts and the plans per (device, dtype)."""
+
+    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "key", "validated", "collective")
+
+    def __init__(self, name: str, spec, keyed: bool = True):
+        self.name = name
+        self.spec = spec
+        self.validate = spec.validate
+        self.key_arg = spec.key_arg
+        self.plans = {}  # (device, dtype) -> _Plan
+        # Signature (see _signature_key) of arguments that passed validation -> their plan:
+        # one key and one lookup instead of validating and looking the plan up.
+        self.validated = {}
+        self.collective = spec.family == "collectives"
+        keyed = keyed and spec.validate is not None and spec.validate_cache != "never"
+        key = _signature_key(spec.validate) if keyed else None
+        if key is not None and self.collective:
+            # A collective's validation includes the cross-rank agreement, made for one
+            # process group: the default group is part of the signature (a group passed as
+            # an object is not keyable: those calls validate through fastpath.plan).
+            base = key
+
+            def key(*args, **kwargs):
+                return base(*args, **kwargs), _default_group()
+        self.key = key
+
+
+_ops: dict = {}  # op -> _Op
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# Immutable scalars, keyed by (type, value): True and 1, 1 and 1.0 stay apart.
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, complex})
+_UNHASHABLE = []  # in a key, makes hashing it raise TypeError: that call is validated, not cached
+
+
+def _signature_key(validate):
+    """A function of the op's arguments returning a hashable summary of everything its
+    validator reads without reading values, generated per op so that building the key
+    costs a few attribute reads per argument (less than validating):
+
+    * a plain tensor (``torch.Tensor`` or ``nn.Parameter``, not a subclass such as a fake
+      or functional tensor, whose shapes may be symbolic): ``(shape, dtype, device)``;
+    * an int, float, bool, str, None, dtype or complex: ``(type, value)``;
+    * anything else (lists, objects, a NaN float): unhashable, so the call is validated as
+      without a cache (a NaN must reach the validator every time, to be rejected there).
+
+    None when the validator's signature cannot be read, or takes ``*args``/``**kwargs`` or
+    positional-only parameters.
+    """
+    try:
+        params = list(inspect.signature(validate).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return None
+    sig, defaults = [], {}
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and "*" not in sig:
+            sig.append("*")
+        if p.default is p.empty:
+            sig.append(p.name)
+        else:
+            defaults[f"_graft_default_{p.name}"] = p.default
+            sig.append(f"{p.name}=_graft_default_{p.name}")
+    # The validator's own parameter names: keyword arguments bind as they do for it.
+    items = ", ".join(
+        f"({n}.shape, {n}.dtype, {n}.device) if {n}.__class__ in _graft_T else "
+        f"({n}.__class__, {n}) if {n}.__class__ in _graft_S and {n} == {n} else _graft_U" for n in (p.name for p in params))
+    src = f"def key({', '.join(sig)}):\n    return ({items},)\n"
+    env = {"_graft_T": _TENSORS, "_graft_S": _SCALARS, "_graft_U": _UNHASHABLE, **defaults}
+    exec(compile(src, f"<graft signature key of {getattr(validate, '__qualname__', validate)}>", "exec"), env)
+    return env["key"]
 
 
 def _clear() -> None:
-    _plans.clear()
-    _entries.clear()
+    _ops.clear()
 
 
 selection.on_reset(_clear)
 
 
-def _entry(op: str):
-    entry = _entries.get(op)
-    if entry is None:
-        spec = get_registry().op(op)
-        entry = (spec, spec.validate, spec.key_arg)
-        _entries[op] = entry
-    return entry
+def _op(op: str) -> _Op:
+    state = _ops.get(op)
+    if state is None:
+        if _is_compiling():  # tracing (no cache is used) cannot generate the key function: a throwaway state
+            return _Op(op, get_registry().op(op), keyed=False)
+        state = _Op(op, get_registry().op(op))
+        _ops[op] = state
+    return state
 
 
-def _build_plan(op: str, device, dtype) -> _Plan:
+def _build_plan(state: _Op, device, dtype) -> _Plan:
     registry = get_registry()
+    op = state.name
     if device is None:
         device_type, arch = "cpu", "cpu"
     else:
@@ -84,8 +170,16 @@ def _build_plan(op: str, device, dtype) -> _Plan:
         except GraftUnsupportedError as exc:
             if strict:
                 error = exc
-    plan = _Plan(tuple(usable), error, source, requested, strict, missing)
-    _plans[(op, device, dtype)] = plan
+    # Plans are rebuilt when the configuration changes, and so is this decision.
+    mode = state.spec.validate_cache
+    if state.collective:  # metadata only; GRAFT_COLLECTIVES_VALIDATE=always agrees on every call
+        from graft.kernels.collectives._common import settings
+
+        keep = device is not None and settings().validate != "always"
+    else:
+        keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
+    plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep)
+    state.plans[(device, dtype)] = plan
     return plan
 
 
@@ -116,57 +210,113 @@ def _passed_over(op: str, plan: _Plan, impl: Implementation, reason: str) -> Non
                         f"{op}: {impl.backend} ({impl.provider}) skipped: {reason}; using the next candidate")
 
 
-def _plan_for(op: str, spec, key_arg: int, args, kwargs) -> _Plan:
+def _plan_for(state: _Op, args, kwargs) -> _Plan:
+    key_arg = state.key_arg
     tensor = args[key_arg] if len(args) > key_arg else None
     if not isinstance(tensor, torch.Tensor):
-        tensor = key_tensor(spec, args, kwargs)
+        tensor = key_tensor(state.spec, args, kwargs)
     if tensor is None:
         device = dtype = None
     else:
         device, dtype = tensor.device, tensor.dtype
-    plan = _plans.get((op, device, dtype))
+    plan = state.plans.get((device, dtype))
     if plan is None:
-        plan = _build_plan(op, device, dtype)
+        plan = _build_plan(state, device, dtype)
     return plan
 
 
 def select(op: str, *args, **kwargs) -> Implementation:
     """The implementation that would serve ``op(*args, **kwargs)`` (runs per-call checks, not the op)."""
-    spec, _, key_arg = _entry(op)
-    return _choose(op, _plan_for(op, spec, key_arg, args, kwargs), args, kwargs)
+    return _choose(op, _plan_for(_op(op), args, kwargs), args, kwargs)
 
 
-def run(op: str, *args, **kwargs):
-    """Validate, select and run ``op``; returns ``(result, impl)``, ``impl`` being the
+_collective_plan = None  # graft.kernels.collectives.fastpath.plan, imported on first use
+
+
+def _default_group():
+    try:
+        return torch.distributed.distributed_c10d._world.default_pg
+    except AttributeError:  # private API moved, or no torch.distributed: nothing cached then
+        return _UNHASHABLE
+
+
+def _validate(state: _Op, args, kwargs) -> None:
+    global _collective_plan
+    if state.collective and not kwargs and not _is_compiling():
+        if _collective_plan is None:
+            from graft.kernels.collectives.fastpath import plan as _collective_plan
+        _collective_plan(state.name, *args)  # validates, and agrees across ranks, once per signature
+        return
+    state.validate(*args, **kwargs)
+
+
+def _make_entry(with_impl: bool):
+    # call() and run() are the same code (one frame on the per-call path, not two).
+    def entry(op: str, *args, **kwargs):
+        state = _ops.get(op)
+        if state is None:
+            state = _op(op)
+        plan = None
+        key = state.key
+        if key is not None and not _is_compiling():  # tracing: symbolic shapes, no cache
+            try:
+                key = key(*args, **kwargs)
+                plan = state.validated.get(key)
+            except TypeError:  # an unhashable or unbindable argument: validate it every call
+                key = None
+        if plan is None:
+            if state.validate is not None:
+                if state.collective:
+                    _validate(state, args, kwargs)
+                else:
+                    state.validate(*args, **kwargs)
+            key_arg = state.key_arg
+            tensor = args[key_arg] if len(args) > key_arg else None
+            if isinstance(tensor, torch.Tensor):  # _plan_for, inlined (ops validated every call take this path)
+                plan = state.plans.get((tensor.device, tensor.dtype))
+            if plan is None:
+                plan = _plan_for(state, args, kwargs)
+            if key is not None and plan.keep:
+                validated = state.validated
+                if len(validated) >= _MAX_VALID:
+                    validated.clear()
+                validated[key] = plan
+        impl = plan.first
+        if impl is None:
+            impl = _choose(op, plan, args, kwargs)
+        try:
+            out = impl.fn(*args, **kwargs)
+        except GraftUnsupportedError as exc:
+            out, impl = _fall_back(op, impl, exc, args, kwargs)
+        else:
+            if plan.strict and impl.backend != config.REFERENCE_BACKEND:
+                verify_output(state.spec, impl, out, args, kwargs)
+        return (out, impl) if with_impl else out
+
+    return entry
+
+
+run = _make_entry(True)
+run.__name__ = run.__qualname__ = "run"
+run.__doc__ = """Validate, select and run ``op``; returns ``(result, impl)``, ``impl`` being the
     implementation that produced the result (after any run-time fallback).
 
     Integrations use this to count what served a call without selecting twice.
     """
-    entry = _entries.get(op)
-    if entry is None:
-        entry = _entry(op)
-    spec, validate, key_arg = entry
-    if validate is not None:
-        validate(*args, **kwargs)
-    # _plan_for, inlined: this is the per-call path.
-    tensor = args[key_arg] if len(args) > key_arg else None
-    if isinstance(tensor, torch.Tensor):
-        key = (op, tensor.device, tensor.dtype)
-        plan = _plans.get(key)
-        if plan is None:
-            plan = _build_plan(op, tensor.device, tensor.dtype)
-    else:
-        plan = _plan_for(op, spec, key_arg, args, kwargs)
-    impl = plan.first
-    if impl is None:
-        impl = _choose(op, plan, args, kwargs)
-    try:
-        out = impl.fn(*args, **kwargs)
-    except GraftUnsupportedError as exc:
-        return _fall_back(op, impl, exc, args, kwargs)
-    if plan.strict and impl.backend != config.REFERENCE_BACKEND:
-        verify_output(spec, impl, out, args, kwargs)
-    return out, impl
+
+call = _make_entry(False)
+call.__name__ = call.__qualname__ = "call"
+call.__doc__ = """Validate the arguments (the same checks for every backend), then run the selected impl.
+
+    Validation runs in full on the first call of each argument signature (tensor shapes,
+    dtypes, devices; scalar values) and, for ops whose checks read tensor values, on every
+    call while value checks are on; a signature that passed is remembered per plan.
+
+    An implementation may find out only when it runs that it cannot serve (a lazy
+    extension build that fails, say): it raises GraftUnsupportedError after recording
+    why, and the call falls back to the next implementation, with the reason logged,
+    unless GRAFT_STRICT=1.
+    """
 
 
 def _expected_output(spec, args, kwargs):
@@ -213,17 +363,6 @@ def verify_output(spec, impl: Implementation, out, args, kwargs) -> None:
         f"{spec.name}: {impl.backend} ({impl.provider}) returned {_describe(out)}, but the op's reference "
         f"gives {_describe(want)} for these arguments; the implementation is wrong"
     )
-
-
-def call(op: str, *args, **kwargs):
-    """Validate the arguments once (the same checks for every backend), then run the selected impl.
-
-    An implementation may find out only when it runs that it cannot serve (a lazy
-    extension build that fails, say): it raises GraftUnsupportedError after recording
-    why, and the call falls back to the next implementation, with the reason logged,
-    unless GRAFT_STRICT=1.
-    """
-    return run(op, *args, **kwargs)[0]
 
 
 def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):

@@ -36,6 +36,13 @@ class OpSpec:
     ``key_arg`` is the position of the tensor argument whose device and dtype drive
     backend selection. ``validate`` (optional) raises GraftInputError on bad input
     before any implementation runs, so every backend rejects bad input the same way.
+
+    ``validate_cache`` says when dispatch may skip ``validate`` for arguments whose
+    metadata (tensor shapes, dtypes and devices; scalar types and values) already passed
+    it: ``"values"`` (the default) only while value checks are off for the key tensor's
+    device (a validator may read tensor values: ``can_read_values``); ``"always"`` for a
+    validator that reads metadata only; ``"never"`` for one whose scalars change on
+    every call (a step count), where a cache would only miss.
     """
 
     name: str
@@ -49,8 +56,12 @@ class OpSpec:
     # Positions of the arguments that take gradients (activations, parameters; not positions,
     # caches, ids or scales): what `graft conformance --grad` differentiates. Empty: no gradient.
     grad_inputs: tuple = ()
+    validate_cache: str = "values"
 
     def __post_init__(self):
+        if self.validate_cache not in ("values", "always", "never"):
+            raise GraftError(f"op {self.name!r}: validate_cache must be 'values', 'always' or 'never', "
+                             f"got {self.validate_cache!r}")
         if self.family not in FAMILIES:
             raise GraftError(f"op {self.name!r}: unknown family {self.family!r}; families are {', '.join(FAMILIES)}")
         if not self.name.startswith(self.family + "."):

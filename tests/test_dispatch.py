@@ -172,3 +172,126 @@ def test_graft_ops_reachable_after_import_graft():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "torch.Size([2, 4])" in proc.stdout
+
+
+# ----------------------------------------------------------------- validation cache
+
+def test_remembered_signatures_never_hide_an_error(fresh_graft):
+    """A signature that passed is not validated again; anything that differs (shape,
+    dtype, device, scalar value or type, a NaN) still reaches the validator and its error."""
+    from graft.errors import GraftInputError
+    from graft.ops import fused
+
+    x, w = torch.randn(3, 8), torch.ones(8)
+    for _ in range(3):
+        fused.rms_norm(x, w, 1e-6)
+    state = dispatch._ops["fused.rms_norm"]
+    assert len(state.validated) == 1  # the repeated calls share one remembered signature
+    with pytest.raises(GraftInputError, match="eps must be a non-negative float"):
+        fused.rms_norm(x, w, float("nan"))
+    nan = float("nan")
+    for _ in range(2):  # the same NaN object twice: never remembered, so never skipped
+        with pytest.raises(GraftInputError, match="not NaN"):
+            fused.rms_norm(x, w, nan)
+    with pytest.raises(GraftInputError, match="eps"):
+        fused.rms_norm(x, w, -1e-6)
+    with pytest.raises(GraftInputError, match="eps"):
+        fused.rms_norm(x, w, True)  # True == 1 but a bool: a different signature
+    with pytest.raises(GraftInputError, match="weight must be 1-D"):
+        fused.rms_norm(x, torch.ones(9), 1e-6)
+    with pytest.raises(GraftInputError, match="dtype"):
+        fused.rms_norm(x.long(), w, 1e-6)
+    with pytest.raises(GraftInputError, match="one device"):
+        fused.rms_norm(x, torch.ones(8, device="meta"), 1e-6)
+    with pytest.raises(GraftInputError):
+        fused.rms_norm([[1.0] * 8] * 3, w, 1e-6)
+    assert len(state.validated) == 1  # none of the failures was remembered
+
+
+def test_value_checks_run_every_call_while_on(fresh_graft):
+    """Ops whose validation reads tensor values remember nothing while value checks are on
+    (the CPU default); with them off their metadata checks are remembered."""
+    from graft.errors import GraftInputError
+    from graft.ops import fused
+
+    cache = fused.cos_sin_cache(16, 8)
+    q, k = torch.randn(2, 8), torch.randn(2, 8)
+    good, bad = torch.tensor([1, 2]), torch.tensor([1, 99])
+    fused.rotary_embedding(good, q, k, 8, cache)
+    fused.rotary_embedding(good, q, k, 8, cache)
+    with pytest.raises(GraftInputError, match="positions must lie in"):
+        fused.rotary_embedding(bad, q, k, 8, cache)  # same metadata as the good calls
+    assert not dispatch._ops["fused.rotary_embedding"].validated
+    with graft.override_config(GRAFT_CHECK_VALUES="0"):
+        for _ in range(2):
+            fused.rotary_embedding(good, q, k, 8, cache)
+        assert len(dispatch._ops["fused.rotary_embedding"].validated) == 1
+        fused.rotary_embedding(bad, q, k, 8, cache)  # no value check: the kernels mask it
+    with pytest.raises(GraftInputError, match="positions must lie in"):  # on again: a new configuration
+        fused.rotary_embedding(bad, q, k, 8, cache)
+
+
+def test_remembered_signatures_are_bounded_and_reset(fresh_graft):
+    from graft.ops import fused
+
+    w = torch.ones(4)
+    for n in range(dispatch._MAX_VALID + 5):
+        fused.rms_norm(torch.randn(1, 4), w, 1e-6 + n * 1e-9)
+    assert 0 < len(dispatch._ops["fused.rms_norm"].validated) <= dispatch._MAX_VALID
+    graft.reload_config()
+    assert "fused.rms_norm" not in dispatch._ops
+
+
+def test_signature_key_binds_keywords_and_defaults_as_the_validator_does():
+    def validate(x, y, scale=1.0, *, mode="a"):
+        pass
+
+    key = dispatch._signature_key(validate)
+    x = torch.ones(2)
+    assert key(x, x) == key(x, y=x, scale=1.0, mode="a")
+    assert key(x, x, 1.0) != key(x, x, 1) != key(x, x, True)
+    with pytest.raises(TypeError):
+        hash(key(x, [1, 2]))  # a list: never remembered
+    with pytest.raises(TypeError):
+        hash(key(x, x, float("nan")))
+    with pytest.raises(TypeError):
+        key(x)  # unbindable: the validator names the problem
+    assert dispatch._signature_key(lambda *a: None) is None
+
+
+@pytest.mark.timeout(120)
+def test_collective_signatures_are_per_default_group_and_never_with_validate_always(fresh_graft, monkeypatch):
+    import socket
+
+    import torch.distributed as dist
+
+    from graft.errors import GraftInputError
+
+    def init():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    x = torch.randn(6)
+    init()
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(dispatch.call("collectives.all_reduce", x), x)
+        state = dispatch._ops["collectives.all_reduce"]
+        assert len(state.validated) == 1
+        with pytest.raises(GraftInputError, match="op must be one of"):
+            dispatch.call("collectives.all_reduce", x, None, "mean")
+        with graft.override_config(GRAFT_COLLECTIVES_VALIDATE="always"):
+            dispatch.call("collectives.all_reduce", x)
+            assert not dispatch._ops["collectives.all_reduce"].validated
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(GraftInputError, match="not initialized"):  # a remembered signature is of the old group
+        dispatch.call("collectives.all_reduce", x)
+    init()
+    try:
+        dispatch.call("collectives.all_reduce", x)
+        assert len(dispatch._ops["collectives.all_reduce"].validated) == 1
+    finally:
+        dist.destroy_process_group()

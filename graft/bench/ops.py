@@ -1,9 +1,27 @@
-"""Per-op dispatch cost: ``graft.call(op, ...)`` (validation, selection, the selected
-implementation) against calling that selected implementation directly, on each op's
-first quick case, with value checks off (the GPU default) and, beside it, on (the CPU
-default). Collectives need a process group: their rows are measured on every
-rank of one (``collectives=True``, from :mod:`graft.bench.distributed`)."""
+"""Per-op dispatch cost: what ``graft.dispatch.call(op, ...)`` (validation, selection, the
+call of the selected implementation) costs on top of that implementation, on each op's
+first quick case.
+
+Two measurements per op, each interleaved (medians of per-round differences):
+
+* ``overhead_us``, graft's own cost: the selected implementation's function is swapped,
+  for the measurement only, for a stub that returns a precomputed output, and
+  ``dispatch.call`` is timed against calling that stub directly (61 rounds of 200 calls:
+  many short rounds, so a descheduled spell spoils few of them). The
+  kernel's time (and its noise, tens to thousands of us on a shared CPU) drops out, so
+  the difference is what graft adds, to a fraction of a microsecond. Measured with value
+  checks off (the GPU default: each is a device sync there) and, as
+  ``overhead_with_value_checks_us``, on (the CPU default: checks that read tensor values,
+  such as cu_seqlens or expert ids, run on every call).
+* ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
+  directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
+  the kernel's noise.
+
+Collectives need a process group: their rows are measured on every rank of one
+(``collectives=True``, from :mod:`graft.bench.distributed`)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -22,11 +40,29 @@ def first_quick_cases() -> dict:
     return cases
 
 
-def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None) -> list:
+@contextlib.contextmanager
+def stubbed(impl, output):
+    """``impl.fn`` returns ``output`` without computing, inside the block (bench only:
+    Implementation is frozen for everyone else)."""
+    real = impl.fn
+
+    def stub(*args, **kwargs):
+        return output
+
+    object.__setattr__(impl, "fn", stub)
+    try:
+        yield stub
+    finally:
+        object.__setattr__(impl, "fn", real)
+
+
+def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
+            stub_rounds: int = 61, stub_inner: int = 200) -> list:
     import graft
 
     registry = graft.get_registry()
     cases = first_quick_cases()
+    call = graft.dispatch.call
     rows = []
     for op in sorted(registry.ops):
         if (registry.ops[op].family == "collectives") != collectives or (only and op not in only):
@@ -39,23 +75,29 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         args, kwargs = case.inputs("cpu", dtype)
         impl = graft.select(op, *args, **kwargs)
         direct = impl.fn
-        call = graft.dispatch.call
-        # The dispatch cost proper is measured with value checks off, as they are by default
-        # on GPUs (each is a device sync there); what the CPU's default value checks add
-        # (reading cu_seqlens, expert ids... once per call) is reported beside it.
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            times = interleaved({"graft": lambda: call(op, *args, **kwargs),
-                                 "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner, sync=sync)
-        with graft.override_config(GRAFT_CHECK_VALUES="1"):
-            checked = interleaved({"graft": lambda: call(op, *args, **kwargs),
-                                   "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner, sync=sync)
+            real = interleaved({"graft": lambda: call(op, *args, **kwargs),
+                                "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner, sync=sync)
+            output = direct(*args, **kwargs)
+        own = {}
+        for checks in ("0", "1"):
+            with graft.override_config(GRAFT_CHECK_VALUES=checks):
+                # The selection again (a reload rebuilds plans): the stub goes where graft calls.
+                served = graft.select(op, *args, **kwargs)
+                call(op, *args, **kwargs)  # the first call of a signature validates in full (and agrees)
+                with stubbed(served, output) as stub:
+                    # No sync: the stubbed calls do not communicate, so no rank waits for another.
+                    own[checks] = interleaved({"graft": lambda: call(op, *args, **kwargs),
+                                               "stub": lambda: stub(*args, **kwargs)},
+                                              rounds=stub_rounds, inner=stub_inner)
         row = {"op": op, "case": case.name, "dtype": str(dtype).replace("torch.", ""), "backend": impl.backend,
-               "direct_us": times["direct"] * 1e6, "graft_us": times["graft"] * 1e6,
-               # per-round differences (each pair back to back), median
-               "overhead_us": times.difference("graft", "direct") * 1e6,
-               "overhead_with_value_checks_us": checked.difference("graft", "direct") * 1e6}
-        progress(f"  {op:32s} {row['backend']:7s} direct {row['direct_us']:9.1f} us  graft {row['graft_us']:9.1f} us"
-                 f"  overhead {row['overhead_us']:+7.1f} us  (with CPU value checks "
-                 f"{row['overhead_with_value_checks_us']:+7.1f} us)")
+               "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
+               "real_overhead_us": real.difference("graft", "direct") * 1e6,
+               # graft's own cost: per-round differences against the stub, median
+               "overhead_us": own["0"].difference("graft", "stub") * 1e6,
+               "overhead_with_value_checks_us": own["1"].difference("graft", "stub") * 1e6}
+        progress(f"  {op:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
+                 f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
+                 f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)")
         rows.append(row)
     return rows

@@ -4,7 +4,10 @@ that the kernels are identical on both sides and only graft's own cost shows.
 
 Sections (``--only`` picks some):
 
-* ``ops``: per op, ``graft.call`` against the selected implementation called directly (us a call);
+* ``ops``: per op, graft's own cost a call (``dispatch.call`` with the selected implementation
+  swapped for a stub that returns a precomputed output, against calling the stub: only
+  graft's validation, selection and call path are timed; see :mod:`graft.bench.ops`), and
+  beside it the real call against the real implementation called directly;
 * ``adam``: graft's in-place multi-tensor Adam against ``torch.optim.Adam(foreach=True)`` on 64k fp32;
 * ``collectives``: graft's all_reduce / all_gather / reduce_scatter against torch.distributed
   (2 gloo ranks);
@@ -106,7 +109,8 @@ def run(args) -> int:
     if "ops" in sections:
         from graft.bench import ops
 
-        progress("ops: graft.call vs the selected implementation called directly")
+        progress("ops: graft's own cost a call (dispatch.call with the implementation stubbed, vs the stub), "
+                 "and the real call vs the implementation called directly")
         only = set(args.ops.split(",")) if args.ops else None
         results["ops"] = ops.measure(rounds=15 if quick else 50, inner=20 if quick else 50, progress=progress,
                                      only=only)

@@ -69,6 +69,12 @@ def checks_values_on(t: torch.Tensor) -> bool:
     return checks[0] if t.device.type == "cpu" else checks[1]
 
 
+def value_checks_on(device_type: str) -> bool:
+    """Whether value checks run, by configuration, for tensors on ``device_type``."""
+    checks = _value_checks()
+    return checks[0] if device_type == "cpu" else checks[1]
+
+
 def can_read_values(t: torch.Tensor) -> bool:
     """Whether a check may read ``t``'s values (``int(t.max())``...).
 

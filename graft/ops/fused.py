@@ -281,6 +281,7 @@ OPS = [
         description="RMSNorm over the last dim (fp32 reduction), optionally fused with the residual add",
         validate=validate_rms_norm,
         grad_inputs=(0, 1, 3),
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.layer_norm",
@@ -290,6 +291,7 @@ OPS = [
         description="LayerNorm over the last dim (fp32 mean and variance, biased), optional bias",
         validate=validate_layer_norm,
         grad_inputs=(0, 1, 2),
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.silu_and_mul",
@@ -299,6 +301,7 @@ OPS = [
         description="silu(x[..., :D]) * x[..., D:] (gated-MLP activation)",
         validate=validate_silu_and_mul,
         grad_inputs=(0,),
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="fused.rotary_embedding",

@@ -259,6 +259,7 @@ OPS = [
         reference=linear_reference,
         description="act(x @ weight.T + bias), fp32 accumulation, activation fused in the epilogue",
         validate=validate_linear,
+        validate_cache="always",  # metadata only
         dtypes=FLOAT_DTYPES,
         grad_inputs=(0, 1, 2),
     ),
@@ -270,6 +271,7 @@ OPS = [
         reference=w8a8_reference,
         description="int8 x int8 -> int32, per-token x per-channel (or per-tensor) fp32 scales, optional bias",
         validate=validate_w8a8,
+        validate_cache="always",  # metadata only
         dtypes=(torch.int8,),
     ),
     OpSpec(
@@ -280,6 +282,7 @@ OPS = [
         reference=w4a16_reference,
         description="4-bit GPTQ/AWQ weights dequantized group-wise, fp16/bf16 activations",
         validate=validate_w4a16,
+        validate_cache="always",  # metadata only
         dtypes=FLOAT_DTYPES,
     ),
     OpSpec(
@@ -290,6 +293,7 @@ OPS = [
         reference=fp8_reference,
         description="fp8 e4m3 GEMM, fp32 accumulation, per-tensor/row or DeepSeek-V3 128x128 block scales",
         validate=validate_fp8,
+        validate_cache="always",  # metadata only
         dtypes=FP8_DTYPES,
     ),
 ]

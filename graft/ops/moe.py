@@ -246,6 +246,7 @@ OPS = [
         reference=topk_routing_reference,
         description="softmax (or sigmoid) scores in fp32, top-k experts per token, optional renormalization",
         validate=validate_topk_routing,
+        validate_cache="always",  # metadata only
     ),
     OpSpec(
         name="moe.align_block_size",

@@ -238,6 +238,7 @@ OPS = [
         reference=adam_step_reference,
         description="one Adam/AdamW update (DeepSpeed/Apex multi_tensor_adam semantics), fp32 math, functional",
         validate=validate_adam_step,
+        validate_cache="never",  # step (and often lr) change every call: its fast path is inline
     ),
 ]
 
