@@ -1,5 +1,5 @@
 """The framework-neutral part of every RMSNorm patch: graft's Triton kernel, lifted from
-``graft.kernels.triton.fused_norm`` (the very kernel graft's conformance suite checks),
+``graft.kernels.triton.fused_rms_norm`` (the very kernel graft's conformance suite checks),
 and a dependency-free launcher for it.
 
 The launcher takes ``weight=None`` (RMSNorm without a learned scale) and launches the
@@ -11,7 +11,7 @@ from __future__ import annotations
 from graft.patches.kernel_source import function_source
 from graft.patches.template import PatchTemplate
 
-KERNEL_MODULE = "graft.kernels.triton.fused_norm"
+KERNEL_MODULE = "graft.kernels.triton.fused_rms_norm"
 KERNEL_NAME = "_rms_norm_kernel"
 
 LAUNCHER = '''

@@ -55,9 +55,9 @@ def test_reference_equals_prefill_of_last_token_over_gathered_context():
 
 @pytest.fixture(scope="module")
 def kernel():
-    from graft.kernels.triton import attention_decode
+    from graft.kernels.triton import attention_decode_paged
 
-    return attention_decode
+    return attention_decode_paged
 
 
 # (seq_lens, heads, kv_heads, head_dim, block_size): odd lengths, exact block boundaries, 0.

@@ -51,7 +51,7 @@ def reset_graft(**env):
 # ----------------------------------------------------------------------------- workers
 def w_all_reduce(rank, ws):
     from graft import dispatch
-    from graft.kernels.collectives import allreduce
+    from graft.kernels.collectives import all_reduce
     from graft.ops import collectives as C
 
     reset_graft()
@@ -63,8 +63,8 @@ def w_all_reduce(rank, ws):
                 x = inputs[rank]
                 want = fixed_order_reduce(inputs, op, dtype)
                 lib = C.all_reduce(x, None, op)  # default on CPU: the library collective
-                one = allreduce.all_reduce(x, None, op, "oneshot")
-                two = allreduce.all_reduce(x, None, op, "twoshot")
+                one = all_reduce.all_reduce(x, None, op, "oneshot")
+                two = all_reduce.all_reduce(x, None, op, "twoshot")
                 assert one.shape == two.shape == lib.shape == x.shape
                 # Fixed rank order: both algorithms give the same bits as the local recomputation.
                 assert torch.equal(one, want), (shape, dtype, op)
@@ -95,7 +95,7 @@ def w_all_reduce(rank, ws):
 
 def w_gather_scatter(rank, ws):
     from graft import dispatch
-    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.kernels.collectives.all_gather_quantized import error_bound
     from graft.ops import collectives as C
 
     reset_graft(GRAFT_QUANTIZED_GATHER_MIN_BYTES="0")
@@ -194,7 +194,7 @@ def w_overlap(rank, ws):
 def w_custom_op_checks(rank, ws):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graft.kernels.collectives import allreduce, overlap, quantized_gather
+    from graft.kernels.collectives import all_reduce, overlap, all_gather_quantized
     from graft.kernels.collectives._common import group_name
 
     reset_graft()
@@ -202,9 +202,9 @@ def w_custom_op_checks(rank, ws):
     x = make(rank, (4, 6))
     a, b = make(rank, (2 * ws, 5)), make(rank, (5, 3))
     cases = [
-        (allreduce.oneshot_op, (x, "sum", name)),
-        (allreduce.twoshot_op, (x, "max", name)),
-        (quantized_gather.int8_op, (x, 4, name)),
+        (all_reduce.oneshot_op, (x, "sum", name)),
+        (all_reduce.twoshot_op, (x, "max", name)),
+        (all_gather_quantized.int8_op, (x, 4, name)),
         (overlap.gemm_reduce_scatter_op, (a, b, 2, name)),
         (overlap.all_gather_gemm_op, (a, b, 2, name)),
     ]
@@ -215,7 +215,7 @@ def w_custom_op_checks(rank, ws):
         assert any("graft" in str(node.target) for node in graph.graph.nodes), graph.code
 
     def layer(t):
-        return allreduce.oneshot_op(t * 2, "sum", name) + 1
+        return all_reduce.oneshot_op(t * 2, "sum", name) + 1
 
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x))
@@ -226,7 +226,7 @@ def run_op_cases():
     """Every quick OpCase of the family, every registered implementation forced by name,
     against the op's reference (the multi-process half of graft's conformance)."""
     from graft import dispatch
-    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.kernels.collectives.all_gather_quantized import error_bound
     from graft.ops import collectives as C
     from graft.plugins import get_registry
 
@@ -290,15 +290,15 @@ def w_errors(rank, ws):
 
 
 def w_four_ranks(rank, ws):
-    from graft.kernels.collectives import allreduce, overlap
+    from graft.kernels.collectives import all_reduce, overlap
     from graft.ops import collectives as C
 
     reset_graft()
     for dtype in (torch.float32, torch.bfloat16):
         inputs = [make(r, (1001,), dtype, 30) for r in range(ws)]  # numel not divisible by 4
         want = fixed_order_reduce(inputs, "sum", dtype)
-        assert torch.equal(allreduce.all_reduce(inputs[rank], None, "sum", "oneshot"), want)
-        assert torch.equal(allreduce.all_reduce(inputs[rank], None, "sum", "twoshot"), want)
+        assert torch.equal(all_reduce.all_reduce(inputs[rank], None, "sum", "oneshot"), want)
+        assert torch.equal(all_reduce.all_reduce(inputs[rank], None, "sum", "twoshot"), want)
         close(C.all_reduce(inputs[rank]), want, dtype, "library 4 ranks")
         sizes = [0, 3, 1, 2]
         inputs = [make(r, (6, 5), dtype, 31) for r in range(ws)]
@@ -328,7 +328,7 @@ def w_plans_async_agreement(rank, ws):
     import torch.distributed as dist
 
     from graft.kernels.collectives._common import Work
-    from graft.kernels.collectives.quantized_gather import error_bound
+    from graft.kernels.collectives.all_gather_quantized import error_bound
     from graft.ops import collectives as C
 
     out = {}
@@ -566,7 +566,7 @@ def test_settings_parse_once_and_reject_bad_values(monkeypatch):
 
 
 def test_symmetric_memory_declared_limits():
-    from graft.kernels.collectives.allreduce import symm_mem_reason
+    from graft.kernels.collectives.all_reduce import symm_mem_reason
 
     ok = dict(device_type="cuda", dtype=torch.float32, numel=1024, element_size=4, storage_offset=0,
               world_size=4, reduce_op="sum")
@@ -583,7 +583,7 @@ def test_symmetric_memory_declared_limits():
 
 
 def test_int8_roundtrip_keeps_nan_and_inf_exactly():
-    from graft.kernels.collectives.quantized_gather import dequantize, error_bound, quantize
+    from graft.kernels.collectives.all_gather_quantized import dequantize, error_bound, quantize
 
     for dtype in FLOATS:
         x = (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
@@ -603,7 +603,7 @@ def test_int8_roundtrip_keeps_nan_and_inf_exactly():
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_int8_roundtrip_within_bound(dtype):
-    from graft.kernels.collectives.quantized_gather import dequantize, error_bound, quantize
+    from graft.kernels.collectives.all_gather_quantized import dequantize, error_bound, quantize
 
     x = (torch.randn(7, 131, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     x[0] = 0  # an all-zero block must survive exactly

@@ -67,9 +67,9 @@ def test_rotary_reference_is_a_complex_rotation(is_neox):
 
 @pytest.fixture(scope="module")
 def triton_fused():
-    from graft.kernels.triton import fused_activation, fused_norm, fused_rotary
+    from graft.kernels.triton import fused_silu_and_mul, fused_rms_norm, fused_rotary_embedding
 
-    return fused_norm, fused_activation, fused_rotary
+    return fused_rms_norm, fused_silu_and_mul, fused_rotary_embedding
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -345,7 +345,7 @@ def _collective_outcome(op, backend, args):
     if got.shape != want.shape or got.dtype != want.dtype:
         return "mismatch", f"graft gave {tuple(got.shape)} {got.dtype}, torch.distributed {tuple(want.shape)} {want.dtype}"
     if backend == "int8" and want.dtype.is_floating_point:
-        from graft.kernels.collectives.quantized_gather import error_bound
+        from graft.kernels.collectives.all_gather_quantized import error_bound
 
         # the bound is per rank's shard (each quantizes its own blocks); NaN/+-Inf exact
         bound = torch.cat([error_bound(shard, 128) for shard in want.chunk(ws_of_result(), 0)])

@@ -69,7 +69,7 @@ def test_fit_shared_trims_an_over_limit_config():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("m, n, k, splits", [(1, 40, 200, 3), (5, 33, 129, 2), (17, 64, 96, 4), (3, 8, 64, 8)])
 def test_forced_split_k_matches_reference(m, n, k, splits, dtype):
-    from graft.kernels.triton.gemm_dense import matmul, plan
+    from graft.kernels.triton.gemm_linear import matmul, plan
 
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -84,7 +84,7 @@ def test_forced_split_k_matches_reference(m, n, k, splits, dtype):
 
 def test_matmul_any_strides_and_out():
     """The launcher backward passes reuse: transposed operands (dW = dy.T @ x) and an fp32 out."""
-    from graft.kernels.triton.gemm_dense import matmul
+    from graft.kernels.triton.gemm_linear import matmul
 
     gen = torch.Generator().manual_seed(1)
     dy = torch.randn(37, 24, generator=gen, dtype=torch.float32)  # [tokens, N]
@@ -100,7 +100,7 @@ def test_matmul_any_strides_and_out():
 
 
 def test_split_k_edge_cases():
-    from graft.kernels.triton.gemm_dense import matmul
+    from graft.kernels.triton.gemm_linear import matmul
 
     x, w = torch.randn(4, 16), torch.randn(16, 8)
     torch.testing.assert_close(matmul(x, w, split_k=50), x @ w, atol=1e-5, rtol=1e-5)  # more splits than K steps
@@ -149,10 +149,10 @@ def _tile_order_probe():
     import triton
     import triton.language as tl
 
-    from graft.kernels.triton import _gemm_common, moe_fused
+    from graft.kernels.triton import _gemm_common, moe_fused_experts
 
     global tile_coords, _grouped_tile  # the jit function resolves its callees in module globals
-    tile_coords, _grouped_tile = _gemm_common.tile_coords, moe_fused._grouped_tile
+    tile_coords, _grouped_tile = _gemm_common.tile_coords, moe_fused_experts._grouped_tile
 
     @triton.jit
     def probe(out_ptr, M, N, tm, tn, GROUP_M: tl.constexpr, MOE: tl.constexpr):

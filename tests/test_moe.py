@@ -24,9 +24,9 @@ def _rms_close(actual, expected, dtype):
 
 @pytest.fixture(scope="module")
 def kernels():
-    from graft.kernels.triton import moe_align, moe_fused, moe_routing
+    from graft.kernels.triton import moe_align_block_size, moe_fused_experts, moe_topk_routing
 
-    return moe_routing, moe_align, moe_fused
+    return moe_topk_routing, moe_align_block_size, moe_fused_experts
 
 
 # ----------------------------------------------------------------- references, from first principles

@@ -70,7 +70,7 @@ def test_bad_input(mutate, match):
 
 def test_dispatch_and_custom_op():
     from graft.dispatch import select
-    from graft.kernels.triton.moe_fused_fp8 import fused_experts_fp8_triton
+    from graft.kernels.triton.moe_fused_experts_fp8 import fused_experts_fp8_triton
 
     args, _ = _inputs(5, 4, 2, 48, 40, torch.float32)
     assert select("moe.fused_experts_fp8", *args).backend == "triton"

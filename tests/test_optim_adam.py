@@ -19,9 +19,9 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 @pytest.fixture(scope="module")
 def kernel():
-    from graft.kernels.triton import optim_adam
+    from graft.kernels.triton import fused_adam_step
 
-    return optim_adam
+    return fused_adam_step
 
 
 def _inputs(shape, dtype, state_dtype, device, seed=0):

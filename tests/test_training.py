@@ -62,9 +62,9 @@ def test_grad_report_json_and_markdown(fresh_graft, tmp_path):
 def test_a_wrong_backward_fails_the_grad_check(fresh_graft, monkeypatch):
     """The check can fail: a silu_and_mul backward that drops the gate's gradient is caught."""
     from graft.conformance.runner import Options, Runner
-    from graft.kernels.triton import fused_activation
+    from graft.kernels.triton import fused_silu_and_mul
 
-    real = fused_activation._silu_and_mul_bwd
+    real = fused_silu_and_mul._silu_and_mul_bwd
 
     def broken(dout, x):
         dx = real(dout, x)
@@ -72,7 +72,7 @@ def test_a_wrong_backward_fails_the_grad_check(fresh_graft, monkeypatch):
         return dx
 
     # _backward looks the backward op up at call time: swap in a wrong one.
-    monkeypatch.setattr(fused_activation, "silu_and_mul_bwd_op", broken)
+    monkeypatch.setattr(fused_silu_and_mul, "silu_and_mul_bwd_op", broken)
     runner = Runner(options=Options(ops=("fused.silu_and_mul",), impls=("triton",), timing=False, grad=True,
                                     dtypes=(torch.float32,)))
     result = runner.run_case(runner.cases()[1], torch.float32)

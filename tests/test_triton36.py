@@ -19,30 +19,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = "3.6.0"
 # (test, the kernel file it runs): one per Triton kernel file.
 SUBSET = [
-    ("tests/test_gemm_dense.py::test_strided_inputs", "gemm_dense"),
+    ("tests/test_gemm_linear.py::test_strided_inputs", "gemm_linear"),
     ("tests/test_gemm_quant.py::test_w8a8_int32_accumulation_is_exact", "gemm_w8a8"),
     ("tests/test_gemm_quant.py::test_w8a8_split_k_is_bit_exact[5-33-129-2]", "gemm_w8a8"),  # split-K + int32 reduce
     ("tests/test_gemm_quant.py::test_gptq_and_awq_layouts_agree", "gemm_w4a16"),
     ("tests/test_attention_prefill.py::test_kernel_reads_strided_views_of_fused_qkv", "attention_prefill"),
-    ("tests/test_attention_decode.py::test_more_splits_than_tiles_and_odd_head_dim", "attention_decode"),
+    ("tests/test_attention_decode.py::test_more_splits_than_tiles_and_odd_head_dim", "attention_decode_paged"),
     ("tests/test_attention_prefill_paged.py::test_kernel_reads_vllm_strided_cache_views", "attention_prefill_paged"),
     ("tests/test_attention_decode.py::test_fp8_kv_cache_matches_dequantised_reference[torch.float16-torch.float8_e4m3fn]",
-     "attention_decode"),  # the fp8 KV path
-    ("tests/test_moe.py::test_triton_routing_ties_and_empty", "moe_routing"),
-    ("tests/test_moe.py::test_triton_align_many_chunks_and_wide_router", "moe_align"),
-    ("tests/test_moe.py::test_triton_fused_experts_empty_and_strided", "moe_fused"),
-    ("tests/test_fused.py::test_triton_rms_norm_strided_rows_and_long_row_two_pass", "fused_norm"),
-    ("tests/test_fused.py::test_triton_rotary_views_int32_positions_and_no_k", "fused_rotary"),
-    ("tests/test_fused.py::test_triton_rotary_heads_in_chunks[gptj]", "fused_rotary"),  # heads in chunks, backward
-    ("tests/test_fused.py::test_triton_silu_and_mul[(1, 2)-torch.float16]", "fused_activation"),
-    ("tests/test_optim_adam.py::test_several_tensors_over_several_steps", "optim_adam"),
+     "attention_decode_paged"),  # the fp8 KV path
+    ("tests/test_moe.py::test_triton_routing_ties_and_empty", "moe_topk_routing"),
+    ("tests/test_moe.py::test_triton_align_many_chunks_and_wide_router", "moe_align_block_size"),
+    ("tests/test_moe.py::test_triton_fused_experts_empty_and_strided", "moe_fused_experts"),
+    ("tests/test_fused.py::test_triton_rms_norm_strided_rows_and_long_row_two_pass", "fused_rms_norm"),
+    ("tests/test_fused.py::test_triton_rotary_views_int32_positions_and_no_k", "fused_rotary_embedding"),
+    ("tests/test_fused.py::test_triton_rotary_heads_in_chunks[gptj]", "fused_rotary_embedding"),  # heads in chunks, backward
+    ("tests/test_fused.py::test_triton_silu_and_mul[(1, 2)-torch.float16]", "fused_silu_and_mul"),
+    ("tests/test_optim_adam.py::test_several_tensors_over_several_steps", "fused_adam_step"),
     ("tests/test_gemm_fp8.py::test_fp8_dispatch_and_custom_op", "gemm_fp8"),
-    ("tests/test_moe_fp8.py::test_close_to_the_unquantized_moe", "moe_fused_fp8"),
+    ("tests/test_moe_fp8.py::test_close_to_the_unquantized_moe", "moe_fused_experts_fp8"),
     # the backwards (and the fused loss): the gradient check of each op's first case
     ("tests/test_training.py::test_gradient_conformance_first_case[attention.prefill]", "attention_prefill_backward"),
     ("tests/test_training.py::test_gradient_conformance_first_case[fused.layer_norm]", "fused_layer_norm"),
-    ("tests/test_training.py::test_gradient_conformance_first_case[gemm.linear]", "gemm_dense_backward"),
-    ("tests/test_training.py::test_gradient_conformance_first_case[moe.fused_experts]", "moe_fused_backward"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[gemm.linear]", "gemm_linear_backward"),
+    ("tests/test_training.py::test_gradient_conformance_first_case[moe.fused_experts]", "moe_fused_experts_backward"),
     ("tests/test_training.py::test_gradient_conformance_first_case[loss.fused_linear_cross_entropy]",
      "loss_fused_linear_cross_entropy"),
 ]

@@ -114,9 +114,9 @@ def test_specialisation_is_the_jits_and_keys_follow_it(tmp_path):
     """Ints equal to 1 become constants and multiples of 16 get tt.divisibility, as in a launch;
     an unaligned launch gets neither. Cache keys change with the target, specialisation and tiles."""
     _compiled_side('''
-        from graft.kernels.triton import _aot, attention_decode
+        from graft.kernels.triton import _aot, attention_decode_paged
 
-        v = attention_decode.AOT_VARIANTS[0]
+        v = attention_decode_paged.AOT_VARIANTS[0]
         names = v.kernel.arg_names
         _, _, sig, consts, attrs = _aot.specialise(v, "sm_90")
         assert sig["stride_kd"] == "constexpr" and consts[(names.index("stride_kd"),)] == 1
@@ -179,9 +179,9 @@ def test_a_kernel_without_variant_is_reported(tmp_path, monkeypatch):
 
 
 def test_signature_types_arguments_by_naming_convention():
-    from graft.kernels.triton import attention_prefill, gemm_dense
+    from graft.kernels.triton import attention_prefill, gemm_linear
 
-    gemm = _aot.signature(gemm_dense.AOT_VARIANTS[0])
+    gemm = _aot.signature(gemm_linear.AOT_VARIANTS[0])
     assert gemm["x_ptr"] == "*bf16" and gemm["M"] == gemm["K"] == "i32" and gemm["BLOCK_K"] == "constexpr"
     attn = _aot.signature(attention_prefill.AOT_VARIANTS[0])
     assert attn["K"] == "*fp16" and attn["CuSeqlensQ"] == "*i32" and attn["qk_scale"] == "fp32"
@@ -189,7 +189,7 @@ def test_signature_types_arguments_by_naming_convention():
 
 
 def test_variant_rejects_unknown_argument_names():
-    from graft.kernels.triton import fused_activation
+    from graft.kernels.triton import fused_silu_and_mul
 
     with pytest.raises(TypeError, match="BLOCK_SIZE"):
-        _aot.variant(fused_activation._silu_and_mul_kernel, dict(BLOCK_SIZE=16))
+        _aot.variant(fused_silu_and_mul._silu_and_mul_kernel, dict(BLOCK_SIZE=16))

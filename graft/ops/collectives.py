@@ -81,7 +81,7 @@ def _reduce_scatter_ref(x, group=None, op="sum", sizes=None):
 
 def _all_gather_quantized_ref(x, group=None, block_size=128):
     # The exact gather that the quantized implementations approximate (see
-    # graft.kernels.collectives.quantized_gather for the error bound).
+    # graft.kernels.collectives.all_gather_quantized for the error bound).
     return _all_gather_ref(x, group)
 
 

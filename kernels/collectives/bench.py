@@ -65,19 +65,19 @@ def _impls(op: str, x, ws: int, dtype):
     """[(impl name, zero-arg callable)] for one op on one buffer; the first is the library."""
     import torch
 
-    from graft.kernels.collectives import allreduce, overlap, quantized_gather
+    from graft.kernels.collectives import all_reduce, overlap, all_gather_quantized
     from graft.ops import collectives as C
 
     if op == "all_reduce":
         return [("library", lambda: C._all_reduce_ref(x)), ("graft", lambda: C.all_reduce(x)),
-                ("oneshot", lambda: allreduce.all_reduce(x, None, "sum", "oneshot")),
-                ("twoshot", lambda: allreduce.all_reduce(x, None, "sum", "twoshot"))]
+                ("oneshot", lambda: all_reduce.all_reduce(x, None, "sum", "oneshot")),
+                ("twoshot", lambda: all_reduce.all_reduce(x, None, "sum", "twoshot"))]
     if op == "all_gather":
         return [("library", lambda: C._all_gather_ref(x)), ("graft", lambda: C.all_gather(x))]
     if op == "reduce_scatter":
         return [("library", lambda: C._reduce_scatter_ref(x)), ("graft", lambda: C.reduce_scatter(x))]
     if op == "all_gather_quantized":
-        return [("library", lambda: C._all_gather_ref(x)), ("int8", lambda: quantized_gather.all_gather_int8(x))]
+        return [("library", lambda: C._all_gather_ref(x)), ("int8", lambda: all_gather_quantized.all_gather_int8(x))]
     gen = torch.Generator(device="cpu").manual_seed(1)
     if op == "gemm_reduce_scatter":  # partial sums [M, N] reduce-scattered: x holds M*N values
         m = max(ws, x.numel() // GEMM_N // ws * ws)

@@ -281,7 +281,7 @@ def splitk_reduce(ws: torch.Tensor, bias, y: torch.Tensor, activation: str = "no
 
 
 def reduce_aot_variants():
-    """AOT variants of the split-K reduce (declared by gemm_dense, the first user)."""
+    """AOT variants of the split-K reduce (declared by gemm_linear, the first user)."""
     from graft.kernels.triton._aot import variant
 
     for pointer, split, act in (("*bf16", 4, "silu"), ("*fp16", 16, "none"), ("*fp32", 2, "gelu")):

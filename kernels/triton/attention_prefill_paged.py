@@ -4,7 +4,7 @@ The prefill kernel's structure (attention_prefill.py): grid (query tiles of the 
 sequence, batch, query heads), an online softmax over BLOCK_N key tiles, causal tiles
 stopping at their last row's horizon, unmasked tiles left of the diagonal. Keys are not a
 packed tensor but tokens ``0 .. seq_len - 1`` of the sequence's block-table row, addressed
-as the paged decode kernel does (attention_decode.py): token ``j`` lives in block
+as the paged decode kernel does (attention_decode_paged.py): token ``j`` lives in block
 ``table[j // block_size]`` at slot ``j % block_size``, so any block size works, and a table
 entry outside ``[0, num_blocks)`` is never dereferenced (its tokens take no part in the
 softmax). vLLM's chunked prefill and prefix caching then need no gather of the cached

@@ -23,7 +23,7 @@ from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import variant
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton.fused_norm import _rows, row_programs
+from graft.kernels.triton.fused_rms_norm import _rows, row_programs
 
 MAX_HIDDEN = 16384
 TILES = {

@@ -29,7 +29,7 @@ from graft.kernels.triton._aot import variant
 from graft.kernels.triton._attention_common import NEG_BIG
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton.gemm_dense import linear_op
+from graft.kernels.triton.gemm_linear import linear_op
 
 OP = "loss.fused_linear_cross_entropy"
 TILES = {

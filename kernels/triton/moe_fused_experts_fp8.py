@@ -1,6 +1,6 @@
 """Triton kernels for ``moe.fused_experts_fp8``: DeepSeek-V3-style fp8 experts.
 
-The pipeline of :mod:`graft.kernels.triton.moe_fused` (align, GEMM 1 with SiLU-and-mul,
+The pipeline of :mod:`graft.kernels.triton.moe_fused_experts` (align, GEMM 1 with SiLU-and-mul,
 weighted GEMM 2 per slot, ordered combine; grouped tile order; no host sync) with fp8
 operands and block scales:
 
@@ -23,16 +23,16 @@ from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton.moe_align import align_block_size_launch
-from graft.kernels.triton.moe_fused import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
-from graft.kernels.triton.moe_fused import TILES as _fused_tiles
+from graft.kernels.triton.moe_align_block_size import align_block_size_launch
+from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
 from graft.platform import triton_interpret
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
-# moe_fused's tiles with BLOCK_K one 128-group (the scale block): 1-byte operands fit twice
-# moe_fused's K per stage in the same memory. The interpreter's tiles stay as they are.
+# moe_fused_experts's tiles with BLOCK_K one 128-group (the scale block): 1-byte operands fit twice
+# moe_fused_experts's K per stage in the same memory. The interpreter's tiles stay as they are.
 TILES = {arch: {size: dict(cfg, BLOCK_K=128) if arch != "interpreter" else dict(cfg) for size, cfg in sizes.items()}
          for arch, sizes in _fused_tiles.items()}
 

@@ -7,7 +7,7 @@ activation is fused, since the forward keeps only its output):
 * ``dw = dz.T @ x`` — the forward kernel on ``(dz.T, x.T)``, strided views again, no copies,
 * ``db = sum over rows of dz`` in fp32.
 
-The GEMM is the forward's kernel (``gemm_dense.linear_op``), called through :func:`_matmul`
+The GEMM is the forward's kernel (``gemm_linear.linear_op``), called through :func:`_matmul`
 so this module does not depend on how that kernel is tiled.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton.language as tl
 from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device
-from graft.kernels.triton import gemm_dense
+from graft.kernels.triton import gemm_linear
 
 BLOCK = 1024
 
@@ -67,7 +67,7 @@ activation_grad_op = define_op("gemm_linear_activation_backward_triton", _activa
 
 def _matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """``a @ b_t.T`` on graft's Triton GEMM (either operand may be a strided view)."""
-    return gemm_dense.linear_op(a, b_t, None, "none")
+    return gemm_linear.linear_op(a, b_t, None, "none")
 
 
 def _setup(ctx, inputs, output):
@@ -81,14 +81,14 @@ def _backward(ctx, dy):
     if ctx.activation == "none":
         dz = dy
     else:
-        dz = activation_grad_op(dy, gemm_dense.linear_op(x, weight, bias, "none"), ctx.activation)
+        dz = activation_grad_op(dy, gemm_linear.linear_op(x, weight, bias, "none"), ctx.activation)
     dx = _matmul(dz, weight.t()) if ctx.needs_input_grad[0] else None
     dw = _matmul(dz.t(), x.t()) if ctx.needs_input_grad[1] else None
     db = dz.float().sum(0).to(dz.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return dx, dw, db, None
 
 
-register_backward(gemm_dense.linear_op, _backward, _setup)
+register_backward(gemm_linear.linear_op, _backward, _setup)
 
 AOT_VARIANTS = [
     variant(_activation_grad_kernel, dict(ACTIVATION=act, BLOCK=BLOCK), pointer=f"*{dtype}", options={"num_warps": 4})

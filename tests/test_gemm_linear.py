@@ -126,7 +126,7 @@ def test_dispatch_selects_triton_and_honours_env(monkeypatch, device):
 def test_custom_op_opcheck_and_fake_tracing(device):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graft.kernels.triton.gemm_dense import linear_op
+    from graft.kernels.triton.gemm_linear import linear_op
 
     x, w, b = _inputs((5,), 9, 20, torch.float32, device)
     torch.library.opcheck(linear_op, (x, w, b, "gelu"))

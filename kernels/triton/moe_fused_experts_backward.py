@@ -26,9 +26,9 @@ from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device
 from graft.kernels.triton._dot import dot_acc, dot_flags
-from graft.kernels.triton.fused_activation import silu_and_mul_bwd_op, silu_and_mul_op
-from graft.kernels.triton.moe_align import align_block_size_launch
-from graft.kernels.triton.moe_fused import _block_rows, fused_experts_triton
+from graft.kernels.triton.fused_silu_and_mul import silu_and_mul_bwd_op, silu_and_mul_op
+from graft.kernels.triton.moe_align_block_size import align_block_size_launch
+from graft.kernels.triton.moe_fused_experts import _block_rows, fused_experts_triton
 
 # ALIGN: rows per aligned block (also the K step of the weight-gradient GEMM).
 TILES = {

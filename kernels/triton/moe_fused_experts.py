@@ -29,7 +29,7 @@ from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.platform import device_info, is_rocm, triton_interpret
-from graft.kernels.triton.moe_align import align_block_size_launch
+from graft.kernels.triton.moe_align_block_size import align_block_size_launch
 
 OP = "moe.fused_experts"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
