@@ -84,7 +84,7 @@ def _integrations(host) -> list:
 def render_text(report: dict) -> str:
     lines = [f"graft {report['graft_version']}  (torch {report['torch_version']})"]
     d = report["device"]
-    lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} family={d['family']}"
+    lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} generation={d['generation']}"
                  + ("  [TRITON_INTERPRET=1]" if report["triton_interpret"] else ""))
     env = report["environment"]
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "(no GRAFT_* variables set)"))

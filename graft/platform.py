@@ -18,8 +18,8 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-# Architecture family names used by autotune tables (see graft.kernels.triton.autotune).
-_FAMILIES = (
+# Architecture generation names used by autotune tables (see graft.kernels.triton.autotune).
+_GENERATIONS = (
     ("gfx94", "cdna3"),
     ("gfx95", "cdna4"),
     ("gfx90a", "cdna2"),
@@ -42,17 +42,17 @@ class DeviceInfo:
     name: str  # marketing name, for reports
 
     @property
-    def family(self) -> str:
-        return arch_family(self.arch)
+    def generation(self) -> str:
+        return arch_generation(self.arch)
 
     def as_dict(self) -> dict:
-        return {"type": self.type, "vendor": self.vendor, "arch": self.arch, "family": self.family, "name": self.name}
+        return {"type": self.type, "vendor": self.vendor, "arch": self.arch, "generation": self.generation, "name": self.name}
 
 
-def arch_family(arch: str) -> str:
-    for prefix, family in _FAMILIES:
+def arch_generation(arch: str) -> str:
+    for prefix, generation in _GENERATIONS:
         if arch.startswith(prefix):
-            return family
+            return generation
     return "cpu" if arch == "cpu" else "unknown"
 
 

@@ -54,7 +54,7 @@ def test_info_for_a_gpu_this_machine_may_not_have():
     proc = graft("info", "--json", "--device", "cuda", "--arch", "gfx942", "--op", "fused.rms_norm")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["device"] == {"type": "cuda", "vendor": "amd", "arch": "gfx942", "family": "cdna3",
+    assert report["device"] == {"type": "cuda", "vendor": "amd", "arch": "gfx942", "generation": "cdna3",
                                 "name": "gfx942 (not this machine's)"}
     assert report["ops"][0]["selected"] is not None
     proc = graft("info", "--device", "cuda", "--op", "attention.prefill")

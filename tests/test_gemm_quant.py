@@ -104,20 +104,20 @@ def test_w8a8_split_k_is_bit_exact(m, n, k, splits):
         torch.testing.assert_close(split.float(), G.w8a8_reference(*args, out_dtype).float(), **TOL[out_dtype])
 
 
-@pytest.mark.parametrize("family, sms", [("hopper", 132), ("cdna3", 304)])
-def test_w8a8_plan_fills_the_gpu_at_small_m(family, sms):
+@pytest.mark.parametrize("generation, sms", [("hopper", 132), ("cdna3", 304)])
+def test_w8a8_plan_fills_the_gpu_at_small_m(generation, sms):
     from graft.kernels.triton import _gemm_common as c
     from graft.kernels.triton.gemm_w8a8 import plan
 
     for n, k in ((4096, 4096), (6144, 4096), (1280, 8192)):
         for m in (1, 16):
-            cfg = plan(m, n, k, "cuda", family=family, sms=sms)
+            cfg = plan(m, n, k, "cuda", generation=generation, sms=sms)
             tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
             assert cfg["SPLIT_K"] > 1, (m, n, k, cfg)
             if tiles * cfg["SPLIT_K"] < sms:  # under one wave only where K runs out of splits
                 assert k // cfg["BLOCK_K"] < c.MIN_K_STEPS_PER_SPLIT * (cfg["SPLIT_K"] + 1), (m, n, k, cfg)
-            assert c.buffered_stages(cfg, family) * c.stage_bytes(cfg, 1, 1) <= c.SHARED_LIMIT[family] - 8192
-    assert plan(4096, 4096, 4096, "cuda", family=family, sms=sms)["SPLIT_K"] == 1
+            assert c.buffered_stages(cfg, generation) * c.stage_bytes(cfg, 1, 1) <= c.SHARED_LIMIT[generation] - 8192
+    assert plan(4096, 4096, 4096, "cuda", generation=generation, sms=sms)["SPLIT_K"] == 1
 
 
 def test_w8a8_end_to_end_with_quant_helpers(device):

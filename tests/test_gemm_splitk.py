@@ -24,15 +24,15 @@ def _common():
     return _gemm_common
 
 
-@pytest.mark.parametrize("family, sms", [("hopper", 132), ("cdna3", 304)])
+@pytest.mark.parametrize("generation, sms", [("hopper", 132), ("cdna3", 304)])
 @pytest.mark.parametrize("size", [4, 2, 1])
-def test_every_plan_fits_and_fills_the_gpu(family, sms, size):
+def test_every_plan_fits_and_fills_the_gpu(generation, sms, size):
     c = _common()
-    limit = c.SHARED_LIMIT[family]
+    limit = c.SHARED_LIMIT[generation]
     for m in (1, 16, 64, 128, 512, 4096, 8192):
         for n, k in LLAMA_NK:
-            cfg = c.gemm_plan(m, n, k, "cuda", size, family=family, sms=sms)
-            assert c.buffered_stages(cfg, family) * c.stage_bytes(cfg, size, size) <= limit, (m, n, k, cfg)
+            cfg = c.gemm_plan(m, n, k, "cuda", size, generation=generation, sms=sms)
+            assert c.buffered_stages(cfg, generation) * c.stage_bytes(cfg, size, size) <= limit, (m, n, k, cfg)
             tiles = math.ceil(m / cfg["BLOCK_M"]) * math.ceil(n / cfg["BLOCK_N"])
             splits, per = cfg["SPLIT_K"], cfg["K_PER_SPLIT"]
             assert per % cfg["BLOCK_K"] == 0 or splits == 1
@@ -45,15 +45,15 @@ def test_every_plan_fits_and_fills_the_gpu(family, sms, size):
 
 def test_small_m_splits_large_m_does_not():
     c = _common()
-    decode = c.gemm_plan(1, 4096, 4096, "cuda", 2, family="hopper", sms=132)
+    decode = c.gemm_plan(1, 4096, 4096, "cuda", 2, generation="hopper", sms=132)
     assert decode["BLOCK_M"] == 16 and decode["SPLIT_K"] > 1
     tiles = math.ceil(4096 / decode["BLOCK_N"])
     assert tiles * decode["SPLIT_K"] >= 132  # one launch covers every SM
-    prefill = c.gemm_plan(4096, 4096, 4096, "cuda", 2, family="hopper", sms=132)
+    prefill = c.gemm_plan(4096, 4096, 4096, "cuda", 2, generation="hopper", sms=132)
     assert prefill["SPLIT_K"] == 1 and prefill["BLOCK_M"] == 128
     # K step in bytes: the same shared memory per stage for every operand size
-    f32 = c.gemm_plan(4096, 4096, 4096, "cuda", 4, family="hopper", sms=132)
-    i8 = c.gemm_plan(4096, 4096, 4096, "cuda", 1, family="hopper", sms=132)
+    f32 = c.gemm_plan(4096, 4096, 4096, "cuda", 4, generation="hopper", sms=132)
+    i8 = c.gemm_plan(4096, 4096, 4096, "cuda", 1, generation="hopper", sms=132)
     assert (f32["BLOCK_K"], prefill["BLOCK_K"], i8["BLOCK_K"]) == (32, 64, 128)
 
 
@@ -140,9 +140,9 @@ def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits):
 def test_w4a16_plan_splits_at_decode_sizes():
     from graft.kernels.triton import gemm_w4a16
 
-    cfg = gemm_w4a16.plan(1, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)
+    cfg = gemm_w4a16.plan(1, 4096, 4096, torch.float16, "cuda", 128, generation="hopper", sms=132)
     assert cfg["SPLIT_K"] > 1 and 128 % cfg["BLOCK_K"] == 0 and cfg["K_PER_SPLIT"] % 128 == 0
-    assert gemm_w4a16.plan(4096, 4096, 4096, torch.float16, "cuda", 128, family="hopper", sms=132)["SPLIT_K"] == 1
+    assert gemm_w4a16.plan(4096, 4096, 4096, torch.float16, "cuda", 128, generation="hopper", sms=132)["SPLIT_K"] == 1
 
 
 def _tile_order_probe():

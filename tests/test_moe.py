@@ -332,7 +332,7 @@ def test_cases_cover_quick_and_gpu_and_run_on_the_reference():
         assert case.flops(args, kwargs) >= 0
 
 
-def test_tile_tables_cover_every_arch_family(kernels):
+def test_tile_tables_cover_every_arch_generation(kernels):
     routing, align, fused = kernels
     for table in (routing.TILES, align.TILES, fused.TILES):
         assert {"hopper", "cdna3", "default", "interpreter"} <= set(table)

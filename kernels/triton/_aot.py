@@ -45,9 +45,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Target name -> (Triton backend, arch, warp size), and the tile-table family tuned for it.
+# Target name -> (Triton backend, arch, warp size), and the tile-table generation tuned for it.
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
-FAMILY = {"sm_90": "hopper", "gfx942": "cdna3"}
+GENERATION = {"sm_90": "hopper", "gfx942": "cdna3"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 # Per-block limits. sm_90 (H100/H200): 227 KiB of shared memory per block (opt-in maximum),
@@ -92,9 +92,9 @@ def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=
 
 
 def per_target(table: dict):
-    """(target, tile config) for each target, from a table keyed by architecture family."""
+    """(target, tile config) for each target, from a table keyed by architecture generation."""
     for target in TARGETS:
-        yield target, dict(table.get(FAMILY[target], table["default"]))
+        yield target, dict(table.get(GENERATION[target], table["default"]))
 
 
 def split_tiles(cfg: dict) -> tuple[dict, dict]:

@@ -1,11 +1,11 @@
 """Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, the one tile
-table (per architecture family and M range), split-K sizing and its deterministic reduce.
+table (per architecture generation and M range), split-K sizing and its deterministic reduce.
 
 Design (why the pieces look the way they do):
 
 * **M buckets.** Decode-like M is memory bound on the weight: thin row tiles and long K
   steps keep many weight loads in flight. Prefill-like M is compute bound: wide tiles with
-  deep pipelines. One table per architecture family lists ``(max_m, config)`` rows.
+  deep pipelines. One table per architecture generation lists ``(max_m, config)`` rows.
 * **K step in bytes.** A row's ``K_BYTES`` is the K step in bytes of the A operand, so one
   table serves fp32 (BLOCK_K = K_BYTES / 4), fp16/bf16 (/2) and int8/fp8 (/1) and the
   staged tiles take the same shared memory whatever the dtype. :func:`fit_shared` then
@@ -18,7 +18,7 @@ Design (why the pieces look the way they do):
 * **Grouped order.** :func:`tile_coords` walks bands of GROUP_M row tiles column by
   column so concurrently running programs share weight tiles in L2.
 
-The dot precision policy is graft.kernels.triton._dot's, as for every kernel family.
+The dot precision policy is graft.kernels.triton._dot's, as for every kernel generation.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from graft.platform import device_info
 
-# Per-family limits: shared memory per block (bytes) and SM/CU count for a device we
+# Per-generation limits: shared memory per block (bytes) and SM/CU count for a device we
 # cannot query (AOT checks, "what if" planning). A live GPU's SM count is queried.
 SHARED_LIMIT = {"hopper": 232_448, "cdna3": 65_536, "blackwell": 232_448, "ampere": 166_912, "default": 101_376}
 SM_COUNT = {"hopper": 132, "cdna3": 304, "default": 80}
@@ -73,13 +73,13 @@ WAVES = 2  # split until about this many programs per SM are in flight
 _MIN_BLOCK_K = 16  # the smallest tl.dot K
 
 
-def family_of(device) -> str:
-    """Tile-table family for ``device``: the interpreter's on the CPU."""
+def generation_of(device) -> str:
+    """Tile-table generation for ``device``: the interpreter's on the CPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return "interpreter"
-    family = device_info(device).family
-    return family if family in TILES else "default"
+    generation = device_info(device).generation
+    return generation if generation in TILES else "default"
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,21 +99,21 @@ def stage_bytes(cfg: dict, a_bytes: float, b_bytes: float) -> int:
     return int(cfg["BLOCK_K"] * (cfg["BLOCK_M"] * a_bytes + cfg["BLOCK_N"] * b_bytes))
 
 
-def buffered_stages(cfg: dict, family: str) -> int:
+def buffered_stages(cfg: dict, generation: str) -> int:
     """Stages held in shared memory: all of them on NVIDIA; AMD's stream pipeliner stages
     one tile through registers, so it keeps num_stages - 1 (at least one) in LDS."""
     stages = cfg["num_stages"]
-    return max(1, stages - 1) if family.startswith("cdna") else stages
+    return max(1, stages - 1) if generation.startswith("cdna") else stages
 
 
-def fit_shared(cfg: dict, family: str, a_bytes: float, b_bytes: float) -> dict:
+def fit_shared(cfg: dict, generation: str, a_bytes: float, b_bytes: float) -> dict:
     """Fewer stages (down to 2), then a shorter K step, until the staged tiles fit the
-    family's shared-memory limit (with 8 KiB left for the epilogue's layout conversion)."""
-    if family == "interpreter":
+    generation's shared-memory limit (with 8 KiB left for the epilogue's layout conversion)."""
+    if generation == "interpreter":
         return cfg
-    limit = SHARED_LIMIT.get(family, SHARED_LIMIT["default"]) - 8192
+    limit = SHARED_LIMIT.get(generation, SHARED_LIMIT["default"]) - 8192
     cfg = dict(cfg)
-    while buffered_stages(cfg, family) * stage_bytes(cfg, a_bytes, b_bytes) > limit:
+    while buffered_stages(cfg, generation) * stage_bytes(cfg, a_bytes, b_bytes) > limit:
         if cfg["num_stages"] > 2:
             cfg["num_stages"] -= 1
         elif cfg["BLOCK_K"] > _MIN_BLOCK_K:
@@ -123,16 +123,16 @@ def fit_shared(cfg: dict, family: str, a_bytes: float, b_bytes: float) -> dict:
     return cfg
 
 
-def base_config(family: str, m: int, a_bytes: float, b_bytes: float | None = None) -> dict:
-    """The table row for ``m`` rows on ``family``, with BLOCK_K resolved and fitted."""
-    for max_m, row in TILES[family]:
+def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None = None) -> dict:
+    """The table row for ``m`` rows on ``generation``, with BLOCK_K resolved and fitted."""
+    for max_m, row in TILES[generation]:
         if max_m is None or m <= max_m:
             break
     cfg = dict(row)
     k_bytes = cfg.pop("K_BYTES", None)
     if k_bytes is not None:
         cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
-    return fit_shared(cfg, family, a_bytes, a_bytes if b_bytes is None else b_bytes)
+    return fit_shared(cfg, generation, a_bytes, a_bytes if b_bytes is None else b_bytes)
 
 
 def split_k(m: int, n: int, k: int, cfg: dict, sms: int, max_split: int = MAX_SPLIT_K) -> tuple[int, int]:
@@ -153,9 +153,9 @@ def split_k(m: int, n: int, k: int, cfg: dict, sms: int, max_split: int = MAX_SP
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(family: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes: float, k_multiple_of: int,
+def _plan(generation: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes: float, k_multiple_of: int,
           allow_split: bool) -> dict:
-    cfg = base_config(family, m, a_bytes, b_bytes)
+    cfg = base_config(generation, m, a_bytes, b_bytes)
     while k_multiple_of and k_multiple_of % cfg["BLOCK_K"] and cfg["BLOCK_K"] > _MIN_BLOCK_K:
         cfg["BLOCK_K"] //= 2  # one K step must stay inside one quantisation group
     cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = split_k(m, n, k, cfg, sms) if allow_split else (1, k)
@@ -163,16 +163,16 @@ def _plan(family: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes
 
 
 def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | None = None, *,
-              k_multiple_of: int = 0, split: bool = True, split_k: int | None = None, family: str | None = None,
+              k_multiple_of: int = 0, split: bool = True, split_k: int | None = None, generation: str | None = None,
               sms: int | None = None) -> dict:
     """Launch plan for an M x N x K GEMM on ``device``: tile constexprs, launch options,
     ``SPLIT_K`` and ``K_PER_SPLIT``. ``k_multiple_of``: BLOCK_K must divide it (group size).
-    ``split_k`` forces a split count (tests, benchmarks); ``family``/``sms`` plan for
+    ``split_k`` forces a split count (tests, benchmarks); ``generation``/``sms`` plan for
     hardware other than ``device`` (tests, AOT). Cached."""
-    family = family or family_of(device)
+    generation = generation or generation_of(device)
     sms = sms if sms is not None else sm_count(device)
     b = a_bytes if b_bytes is None else b_bytes
-    cfg = dict(_plan(family, sms, m, n, k, a_bytes, b, k_multiple_of, split))
+    cfg = dict(_plan(generation, sms, m, n, k, a_bytes, b, k_multiple_of, split))
     if split_k is not None and split_k != cfg["SPLIT_K"]:
         steps = triton.cdiv(k, cfg["BLOCK_K"])
         per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import FAMILY, TARGETS, variant
+from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import (
     SM_COUNT,
@@ -174,11 +174,11 @@ def _aot_variants():
     ``fp8e4nv`` on sm_90, the fnuz ``fp8e4b8`` on gfx942 (MI300's native format)."""
     fp8_type = {"sm_90": "*fp8e4nv", "gfx942": "*fp8e4b8"}
     for target in TARGETS:
-        family = FAMILY[target]
+        generation = GENERATION[target]
         for blockwise in (True, False):
             plans = {}
             for m in (1, 32, 64, 128, 4096):
-                cfg = plan(m, 4096, 4096, "cuda", blockwise, family=family, sms=SM_COUNT[family])
+                cfg = plan(m, 4096, 4096, "cuda", blockwise, generation=generation, sms=SM_COUNT[generation])
                 cfg["SPLIT_K"] = min(cfg["SPLIT_K"], 2)  # only switches the store path
                 plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)
             for cfg in plans.values():

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import FAMILY, TARGETS, variant
+from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
@@ -151,11 +151,11 @@ AOT_MS = (1, 16, 32, 64, 128, 4096)
 def aot_plans(target: str, dtype: torch.dtype):
     """The distinct (tile constexprs, SPLIT_K > 1, options) the dispatcher launches on
     ``target`` for ``dtype`` over AOT_SHAPES x AOT_MS."""
-    family = FAMILY[target]
+    generation = GENERATION[target]
     seen: dict = {}
     for m in AOT_MS:
         for n, k in AOT_SHAPES:
-            cfg = plan(m, n, k, dtype, "cuda", family=family, sms=SM_COUNT[family])
+            cfg = plan(m, n, k, dtype, "cuda", generation=generation, sms=SM_COUNT[generation])
             key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
             seen.setdefault(key, cfg)
     return list(seen.values())

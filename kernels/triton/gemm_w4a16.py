@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import FAMILY, TARGETS, variant
+from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
@@ -204,11 +204,11 @@ def _aot_variants():
     cases = (("fp16", True, True), ("fp16", False, True), ("bf16", False, False), ("fp32", True, True))
     sizes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     for target in TARGETS:
-        family = FAMILY[target]
+        generation = GENERATION[target]
         for name, awq, zeros in cases:
             plans = {}
             for m in (1, 32, 64, 128, 4096):
-                cfg = plan(m, 4096, 4096, sizes[name], "cuda", 128, family=family, sms=SM_COUNT[family])
+                cfg = plan(m, 4096, 4096, sizes[name], "cuda", 128, generation=generation, sms=SM_COUNT[generation])
                 cfg["SPLIT_K"] = min(cfg["SPLIT_K"], 2)  # only switches the store path
                 plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)
             for cfg in plans.values():

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op
-from graft.kernels.triton._aot import FAMILY, TARGETS, variant
+from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import SM_COUNT, gemm_plan, launch_options, tile_constexprs, tile_coords
 
@@ -193,11 +193,11 @@ def _aot_variants():
     output; the int32 reduce pass."""
     types = dict(x_ptr="*i8", w_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32")
     for target in TARGETS:
-        family = FAMILY[target]
+        generation = GENERATION[target]
         plans = {}
         for m in (1, 16, 32, 64, 128, 4096):
             for n, k in ((4096, 4096), (28672, 4096), (8192, 1024)):
-                cfg = plan(m, n, k, "cuda", family=family, sms=SM_COUNT[family])
+                cfg = plan(m, n, k, "cuda", generation=generation, sms=SM_COUNT[generation])
                 key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
                 plans.setdefault(key, cfg)
         for cfg in plans.values():
