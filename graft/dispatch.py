@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Callable
 
 import torch
 
@@ -62,10 +63,10 @@ class _Op:
         self.spec = spec
         self.validate = spec.validate
         self.key_arg = spec.key_arg
-        self.plans = {}  # (device, dtype) -> _Plan
+        self.plans: dict = {}  # (device, dtype) -> _Plan
         # Signature (see _signature_key) of arguments that passed validation -> their plan:
         # one key and one lookup instead of validating and looking the plan up.
-        self.validated = {}
+        self.validated: dict = {}
         self.collective = spec.family == "collectives"
         keyed = keyed and spec.validate is not None and spec.validate_cache != "never"
         key = _signature_key(spec.validate) if keyed else None
@@ -84,7 +85,7 @@ _ops: dict = {}  # op -> _Op
 _TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 # Immutable scalars, keyed by (type, value): True and 1, 1 and 1.0 stay apart.
 _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, complex})
-_UNHASHABLE = []  # in a key, makes hashing it raise TypeError: that call is validated, not cached
+_UNHASHABLE: list = []  # in a key, makes hashing it raise TypeError: that call is validated, not cached
 
 
 def _signature_key(validate):
@@ -230,7 +231,7 @@ def select(op: str, *args, **kwargs) -> Implementation:
     return _choose(op, _plan_for(_op(op), args, kwargs), args, kwargs)
 
 
-_collective_plan = None  # graft.kernels.collectives.fastpath.plan, imported on first use
+_collective_plan: Callable | None = None  # graft.kernels.collectives.fastpath.plan, imported on first use
 
 
 def _default_group():
@@ -244,7 +245,9 @@ def _validate(state: _Op, args, kwargs) -> None:
     global _collective_plan
     if state.collective and not kwargs and not _is_compiling():
         if _collective_plan is None:
-            from graft.kernels.collectives.fastpath import plan as _collective_plan
+            from graft.kernels.collectives.fastpath import plan
+
+            _collective_plan = plan
         _collective_plan(state.name, *args)  # validates, and agrees across ranks, once per signature
         return
     state.validate(*args, **kwargs)

@@ -125,6 +125,7 @@ def graft_impls(op: str, args: tuple, backends) -> dict:
     registry = get_registry()
     spec = registry.op(op)
     tensor = key_tensor(spec, args, {})
+    assert tensor is not None, f"{op}: a benchmark case needs a tensor argument"
     device_type, dtype = tensor.device.type, tensor.dtype
     arch = device_info(tensor.device).arch if device_type == "cuda" else device_type
     found = {}
@@ -735,7 +736,7 @@ def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int) -> Result
 def _environment(device) -> dict:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
+    env: dict = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         import triton
@@ -756,7 +757,7 @@ def _environment(device) -> dict:
 
 def summary(results: list) -> dict:
     """Per family: cases ok/error/skipped and the geometric-mean ratio per graft-vs-baseline pair."""
-    out = {}
+    out: dict = {}
     for r in results:
         fam = out.setdefault(r.family, {"ok": 0, "error": 0, "skipped": 0, "geomean_ratio": {}})
         fam[r.status] += 1
@@ -769,7 +770,8 @@ def summary(results: list) -> dict:
 
 def write_reports(results: list, env: dict, out_dir: str, tag: str) -> tuple[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    payload = {"environment": env, "summary": summary(results), "results": [vars(r) for r in results],
+    summ = summary(results)
+    payload = {"environment": env, "summary": summ, "results": [vars(r) for r in results],
                "how_to_read": "ratio = baseline median / graft median for one call (> 1: graft faster); "
                               "times are per call, medians over interleaved rounds; absolute times are "
                               "device-specific"}
@@ -778,7 +780,7 @@ def write_reports(results: list, env: dict, out_dir: str, tag: str) -> tuple[str
         json.dump(payload, f, indent=1, default=str)
     html_path = os.path.join(out_dir, f"kernels-{tag}.html")
     with open(html_path, "w") as f:
-        f.write(render_html(results, env, payload["summary"]))
+        f.write(render_html(results, env, summ))
     return json_path, html_path
 
 

@@ -116,7 +116,7 @@ def case_nan_eps_and_lr_are_rejected():
     x, w = torch.randn(4, 8), torch.ones(8)
     _raises(lambda: graft.ops.fused.rms_norm(x, w, math.nan), GraftInputError, "eps", "nan")
     p = torch.zeros(16)
-    _raises(lambda: graft.ops.optim.adam_step(p, torch.ones(16), torch.zeros(16), torch.zeros(16),
+    _raises(lambda: graft.ops.fused.adam_step(p, torch.ones(16), torch.zeros(16), torch.zeros(16),
                                               math.nan, 0.9, 0.999, 1e-8, 1), GraftInputError, "lr", "nan")
 
 
@@ -148,7 +148,7 @@ def case_strict_with_a_backend_that_has_no_impl_raises():
     assert op == "fused.adam_step", op  # the op the reproducer used has no hip impl
     _env(GRAFT_STRICT="1", **{op_env_var(op): "hip"})
     p = torch.zeros(16)
-    _raises(lambda: graft.ops.optim.adam_step(p, torch.ones(16), torch.zeros(16), torch.zeros(16),
+    _raises(lambda: graft.ops.fused.adam_step(p, torch.ones(16), torch.zeros(16), torch.zeros(16),
                                               1e-3, 0.9, 0.999, 1e-8, 1), GraftError, "hip", op)
 
 

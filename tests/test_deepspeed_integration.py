@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from graft.errors import GraftError, GraftInputError  # noqa: E402
-from graft.ops.optim import adam_step, adam_step_reference  # noqa: E402
+from graft.ops.fused import adam_step, adam_step_reference  # noqa: E402
 
 TRAIN_SCRIPT = Path(__file__).with_name("_ds_train.py")
 

@@ -114,9 +114,9 @@ def test_checks_on_name_the_bad_value(fresh_graft):
 
 @pytest.mark.parametrize("call", [
     lambda: __import__("graft.ops.fused", fromlist=["x"]).rms_norm(torch.randn(2, 8), torch.ones(8), float("nan")),
-    lambda: __import__("graft.ops.optim", fromlist=["x"]).adam_step(
+    lambda: __import__("graft.ops.fused", fromlist=["x"]).adam_step(
         *(torch.zeros(4),) * 4, float("nan"), 0.9, 0.999, 1e-8, 1),
-    lambda: __import__("graft.ops.optim", fromlist=["x"]).adam_step(
+    lambda: __import__("graft.ops.fused", fromlist=["x"]).adam_step(
         *(torch.zeros(4),) * 4, 1e-3, float("nan"), 0.999, 1e-8, 1),
 ], ids=["rms_norm-eps", "adam-lr", "adam-beta1"])
 def test_nan_hyperparameters_rejected(fresh_graft, call):

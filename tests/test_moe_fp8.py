@@ -5,7 +5,7 @@ import torch
 
 from graft.errors import GraftInputError
 from graft.ops import moe as M
-from graft.ops import moe_fp8 as F
+from graft.ops import moe as F
 
 pytestmark = pytest.mark.usefixtures("fresh_graft")
 # The SiLU-and-mul rows are rounded to hidden's dtype and re-quantized to fp8 per 128-group:

@@ -8,7 +8,7 @@ import torch
 
 import graft
 from graft.errors import GraftInputError
-from graft.ops.optim import adam_step, adam_step_reference
+from graft.ops.fused import adam_step, adam_step_reference
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One output ulp: the GPU may contract multiply-adds (fp32 results differ in the last bits),

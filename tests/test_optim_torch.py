@@ -1,5 +1,5 @@
 """graft's torch backend of fused.adam_step (torch's fused Adam kernel) and the in-place
-multi-tensor form optimizers use (graft.ops.optim.adam_step_): same numbers as the
+multi-tensor form optimizers use (graft.ops.fused.adam_step_): same numbers as the
 reference, one torch kernel call for all tensors, the per-tensor path where that kernel
 does not apply, and clear errors."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 import graft
 from graft.errors import GraftInputError
-from graft.ops.optim import adam_step_, adam_step_reference, adam_step_torch
+from graft.ops.fused import adam_step_, adam_step_reference, adam_step_torch
 
 HYPER = (1e-2, 0.9, 0.999, 1e-8)
 

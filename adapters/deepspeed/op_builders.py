@@ -79,7 +79,7 @@ def _adam_into(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
                bias_correction):
     """One graft Adam step over lists of DeepSpeed's tensors, in place (one multi-tensor call
     when graft's torch backend serves)."""
-    from graft.ops.optim import adam_step_
+    from graft.ops.fused import adam_step_
 
     # e.g. fp32 gradients of a bf16 offloaded copy
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]

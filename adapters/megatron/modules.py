@@ -172,7 +172,7 @@ def _prefill(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
                                     causal, scale)
 
 
-_verified_mask = [None]  # (tensor, version) of the last mask found causal: layers of a step share one
+_verified_mask: list = [None]  # (tensor, version) of the last mask found causal: layers of a step share one
 
 
 def _is_causal_mask(mask, sq, sk) -> bool:
@@ -306,7 +306,7 @@ class GraftSequentialMLP(SequentialMLP):
             return "experts are not SwiGLU"
         if c.add_bias_linear:
             return "expert biases"
-        if getattr(c, "activation_func_clamp_value", None) is not None or getattr(c, "glu_linear_offset", 0.0):
+        if getattr(c, "activation_func_clamp_value", None) is not None or getattr(c, "glu_linear_offset", None):
             return "GLU clamp/offset"
         if c.fp8 or getattr(c, "fp4", None):
             return "fp8/fp4"

@@ -72,7 +72,7 @@ class GraftSpecProvider(BackendSpecProvider):
             return SequentialMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
         return GraftSequentialMLP, MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
 
-    def activation_func(self) -> type:
+    def activation_func(self) -> type | None:
         return None
 
 

@@ -81,7 +81,7 @@ def activate() -> dict:
     with _lock:
         if _summary is not None:
             return _summary
-        from graft.adapters.vllm.adapter import INTEGRATION
+        from graft.adapters.vllm.integration import INTEGRATION
         from graft.integration import log_part_off
 
         summary: dict = {}

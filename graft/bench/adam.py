@@ -1,5 +1,5 @@
 """graft's Adam against ``torch.optim.Adam(foreach=True)`` on the same tensor: the in-place
-multi-tensor form optimizers use (:func:`graft.ops.optim.adam_step_`) and the functional op
+multi-tensor form optimizers use (:func:`graft.ops.fused.adam_step_`) and the functional op
 with its results copied back."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from graft.bench.timing import interleaved
 
 
 def measure(numel: int, rounds: int, inner: int, progress=print) -> dict:
-    from graft.ops.optim import adam_step, adam_step_
+    from graft.ops.fused import adam_step, adam_step_
 
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(numel, generator=gen)

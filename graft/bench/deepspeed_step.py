@@ -23,10 +23,10 @@ def _model():
 
 
 def _config(run: str, use_graft: bool) -> dict:
-    params = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+    params: dict = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
     if not use_graft:
         params["torch_adam"] = True
-    zero = {"stage": int(run[0]), "reduce_bucket_size": 1 << 20, "allgather_bucket_size": 1 << 20,
+    zero: dict = {"stage": int(run[0]), "reduce_bucket_size": 1 << 20, "allgather_bucket_size": 1 << 20,
             "stage3_param_persistence_threshold": 0}
     if run.endswith("off"):
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -55,7 +55,7 @@ def measure(runs, rounds: int, progress=print) -> list:
             model = _model()
             engines[name], *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                      config=_config(run, use_graft))
-        losses = {name: [] for name in engines}
+        losses: dict[str, list] = {name: [] for name in engines}
 
         def step(name):
             engine = engines[name]

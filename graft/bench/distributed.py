@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
 
     quick = args.quick
-    results = {}
+    results: dict = {}
     for section in sections:
         start = time.perf_counter()
         try:

@@ -98,7 +98,7 @@ def measure(tps, rounds: int, progress=print) -> list:
     for tp in tps:
         with model_parallel(tp):
             local, grafted = build_pair(tp)
-            losses = {"local": [], "graft": []}
+            losses: dict[str, list] = {"local": [], "graft": []}
             steps = {"local": lambda: losses["local"].append(train_step(local, mask, tokens, positions, labels)),
                      "graft": lambda: losses["graft"].append(train_step(grafted, None, tokens, positions, labels))}
             before = dict(counter.calls)

@@ -39,7 +39,7 @@ def interleaved(variants: dict, rounds: int, inner: int = 1, warmup: int = 1,
             before(name)
         for _ in range(warmup):
             variants[name]()
-    samples = {name: [] for name in names}
+    samples: dict[str, list] = {name: [] for name in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:

@@ -163,7 +163,8 @@ def _spawn(target, ranks: int, args, timeout: float) -> dict:
     procs = [ctx.Process(target=target, args=(r, ranks, port, args, queue), daemon=True) for r in range(ranks)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results: dict = {}
+    errors: list = []
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < ranks and time.monotonic() < deadline:
@@ -261,7 +262,7 @@ def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
             for _ in range(args["warmup"]):
                 lib()
                 graft_fn()
-            times = {"library": [], "graft": []}
+            times: dict[str, list] = {"library": [], "graft": []}
             dist.barrier()
             for rnd in range(args["rounds"]):
                 # Interleaved, alternating which goes first. No barrier per batch (it would add

@@ -80,7 +80,7 @@ def _default_group():
 
 def _key(op: str, args: tuple):
     """A hashable signature of the call, or None when an argument is unusual (no caching)."""
-    parts = [op]
+    parts: list = [op]
     group = None
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -105,7 +105,8 @@ def _make_plan(op: str, key, args: tuple) -> Plan:
 
     gen = generation()
     spec = get_registry().op(op)
-    spec.validate(*args)  # local checks + the cross-rank agreement (once per signature)
+    if spec.validate is not None:  # local checks + the cross-rank agreement (once per signature)
+        spec.validate(*args)
     impl = select(op, *args)
     group = args[_GROUP_ARG.get(op, 1)] if len(args) > _GROUP_ARG.get(op, 1) else None
     current = settings()
@@ -127,7 +128,9 @@ def plan(op: str, *args) -> Plan:
     if found.always:
         from graft.plugins import get_registry
 
-        get_registry().op(op).validate(*args)
+        validate = get_registry().op(op).validate
+        if validate is not None:
+            validate(*args)
     return found
 
 

@@ -148,7 +148,7 @@ def _flce_backward_none(x: torch.Tensor, weight: torch.Tensor, target: torch.Ten
             dw += linear_op(logits.t(), xc.t(), None, "none").float()
             if db is not None:
                 db += logits.float().sum(0)
-    return dx, dw.to(weight.dtype), db.to(bias.dtype) if db is not None else x.new_empty(0)
+    return dx, dw.to(weight.dtype), db.to(bias.dtype) if db is not None and bias is not None else x.new_empty(0)
 
 
 def _flce_backward_none_fake(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

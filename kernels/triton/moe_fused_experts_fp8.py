@@ -133,7 +133,7 @@ def _fused_experts_fp8(
     hidden: torch.Tensor, w13_q: torch.Tensor, w2_q: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
 ) -> torch.Tensor:
-    from graft.ops.moe_fp8 import quantize_act
+    from graft.ops.moe import quantize_act
 
     num_tokens, hidden_size = hidden.shape
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
