@@ -21,7 +21,7 @@ import torch
 
 from graft import config, selection
 from graft.errors import GraftUnsupportedError
-from graft.platform import device_info
+from graft.platform import device_info, dtype_name
 from graft.plugins import get_registry
 from graft.ops._validate import value_checks_on
 from graft.registry import Implementation, key_tensor
@@ -339,7 +339,7 @@ def _expected_output(spec, args, kwargs):
 
 def _describe(value):
     if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+        return f"tensor{tuple(value.shape)} {dtype_name(value.dtype)}"
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
     return type(value).__name__

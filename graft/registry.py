@@ -132,7 +132,7 @@ class Implementation:
             return f"device type {device_type!r} not supported (supports {', '.join(sorted(self.devices))})"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
-            return f"dtype {str(dtype).replace('torch.', '')} not supported (supports {names})"
+            return f"dtype {dtype_name(dtype)} not supported (supports {names})"
         if self.archs is not None and device_type != "cpu":
             if arch is None or not any(arch.startswith(p) for p in self.archs):
                 return f"architecture {arch} not supported (supports {', '.join(self.archs)})"

@@ -355,6 +355,8 @@ def _sdpa_lower_right(q, k, v, new, seq):
 
 
 def _decode_cases(quick: bool, backends) -> list:
+    from graft.platform import dtype_name
+
     grid = [(2, 48), (3, 100)] if quick else [(b, c) for c in DECODE_CTX for b in DECODE_BATCH]
     hq, hkv, d, block = (4, 2, 64, 16) if quick else (32, 8, 128, 16)
 
@@ -411,7 +413,7 @@ def _decode_cases(quick: bool, backends) -> list:
             args = (query, kq, vq, tables, lens, None, 0, scales[0], scales[1])
             bf16 = graft_impls("attention.decode_paged", (query, kc, vc, tables, lens, None, 0), backends)
             impls = graft_impls("attention.decode_paged", args, backends)
-            return impls, {f"{label} {str(dtype).replace('torch.', '')} cache": fn for label, fn in bf16.items()}
+            return impls, {f"{label} {dtype_name(dtype)} cache": fn for label, fn in bf16.items()}
         return build
 
     cases = []

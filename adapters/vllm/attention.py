@@ -48,6 +48,7 @@ from vllm.v1.attention.backend import (
 
 from graft import config, dispatch
 from graft.adapters.vllm.integration import counter
+from graft.platform import dtype_name
 
 log = logging.getLogger("graft.vllm")
 
@@ -186,7 +187,7 @@ def _gather_reason(q, key, value, key_cache, value_cache, m, scale) -> str | Non
         flat = dispatch.select("attention.prefill", q, key, value, m.prefill_cu_seqlens_q, m.prefill_cu_seqlens_k,
                                m.prefill_max_seqlen_q, m.prefill_max_seqlen_k, m.causal, scale)
         if flat.backend != config.REFERENCE_BACKEND:
-            reason = (f"attention.prefill_paged has no kernel for {str(q.dtype).replace('torch.', '')} head size "
+            reason = (f"attention.prefill_paged has no kernel for {dtype_name(q.dtype)} head size "
                       f"{q.shape[2]} on {q.device.type} here (only its torch reference), attention.prefill runs on "
                       f"{flat.backend}: gathering the cached K/V out of the pages for it")
     _gather_reasons[key_] = reason

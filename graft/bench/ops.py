@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 from graft.bench.timing import interleaved
+from graft.platform import dtype_name
 
 
 def first_quick_cases() -> dict:
@@ -90,7 +91,7 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
                     own[checks] = interleaved({"graft": lambda: call(op, *args, **kwargs),
                                                "stub": lambda: stub(*args, **kwargs)},
                                               rounds=stub_rounds, inner=stub_inner)
-        row = {"op": op, "case": case.name, "dtype": str(dtype).replace("torch.", ""), "backend": impl.backend,
+        row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
                "real_overhead_us": real.difference("graft", "direct") * 1e6,
                # graft's own cost: per-round differences against the stub, median

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from graft.errors import GraftCollectiveError, GraftInputError, GraftUnsupportedError
+from graft.platform import dtype_name
 
 from ._common import TIMEOUT_VAR, describe_group, settings, timeout_seconds
 
@@ -51,10 +52,6 @@ _SETTING_VARS = {
     "overlap_min_bytes": "GRAFT_OVERLAP_MIN_BYTES",
     "quantized_min_bytes": "GRAFT_QUANTIZED_GATHER_MIN_BYTES",
 }
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class Call:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from graft.custom_ops import define_op
 from graft.registry import Implementation
+from graft.platform import dtype_name
 
 from ._common import (
     all_gather_single,
@@ -88,7 +89,7 @@ def symm_mem_reason(algorithm: str, device_type: str, dtype, numel: int, element
     if device_type not in SYMM_MEM_DEVICES:
         return f"symmetric memory needs a CUDA/ROCm device, got {device_type}"
     if dtype not in SYMM_MEM_DTYPES:
-        return (f"dtype {str(dtype).replace('torch.', '')}: the symmetric-memory kernels take float32 and "
+        return (f"dtype {dtype_name(dtype)}: the symmetric-memory kernels take float32 and "
                 "bfloat16 only")
     if reduce_op not in SYMM_MEM_REDUCE_OPS:
         return f"reduce op {reduce_op!r}: the symmetric-memory kernels only sum"
