@@ -2,6 +2,7 @@
 activation/deactivation, the env-var switch, the version gate, and ZeRO 1-3 training on
 2 gloo ranks with graft active vs plain DeepSpeed (plus stage 2 with the optimizer offloaded to the CPU).
 """
+import importlib
 import json
 import os
 import socket
@@ -99,7 +100,7 @@ def test_integration_is_declared_and_version_gated(ds_graft):
 
 
 def test_unsupported_version_is_a_clear_error(ds_graft, monkeypatch):
-    from graft.adapters.deepspeed import integration as activation
+    activation = importlib.import_module("graft.adapters.deepspeed.integration")  # the module (the package exports a function of that name)
     from deepspeed.accelerator import get_accelerator
 
     monkeypatch.setattr(activation, "SUPPORTED", ">=0.20,<0.21")
@@ -191,7 +192,7 @@ def test_parts_whose_ops_are_disabled_stay_deepspeeds_own(ds_graft, monkeypatch,
     import deepspeed.ops.op_builder as op_builder
     from deepspeed.accelerator import get_accelerator
 
-    from graft.adapters.deepspeed.activation import integration, status_lines
+    from graft.adapters.deepspeed.integration import integration, status_lines
     from graft.adapters.deepspeed.comm import GraftTorchBackend
 
     original_accel, original_builder = get_accelerator(), op_builder.FusedAdamBuilder

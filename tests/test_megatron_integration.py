@@ -22,6 +22,7 @@ What runs where (megatron-core 0.16.1 on a CPU-only torch):
 * Rotary position embeddings need CUDA (``RotaryEmbedding.get_emb`` moves its frequencies
   to ``torch.cuda.current_device()``): the whole-GPTModel test uses learned positions.
 """
+import importlib
 import contextlib
 import logging
 import os
@@ -419,7 +420,7 @@ def test_parts_whose_ops_are_disabled_use_megatrons_local_modules(megatron_cpu, 
     from megatron.core.transformer.spec_utils import build_module
 
     from graft.adapters.megatron import get_gpt_layer_graft_spec
-    from graft.adapters.megatron.activation import integration
+    from graft.adapters.megatron.integration import integration
 
     monkeypatch.setenv("GRAFT_DISABLE", "fused.rms_norm,attention.prefill")
     ok, why = integration().status()
@@ -440,7 +441,7 @@ def test_parts_whose_ops_are_disabled_use_megatrons_local_modules(megatron_cpu, 
 
 def test_unsupported_version_is_a_clear_error(fresh_graft, monkeypatch):
     from graft.adapters.megatron import get_gpt_layer_graft_spec
-    from graft.adapters.megatron import integration as activation
+    activation = importlib.import_module("graft.adapters.megatron.integration")  # the module (the package exports a function of that name)
 
     monkeypatch.setattr(activation, "SUPPORTED", ">=0.17,<0.18")
     with pytest.raises(GraftError, match=r"does not support this version: megatron-core 0\.16\.\d+ is outside"):

@@ -617,7 +617,7 @@ def test_parts_whose_ops_are_disabled_stay_vllms_own():
 
 
 def test_status_names_parts_left_to_vllm(fresh_graft, monkeypatch):
-    from graft.adapters.vllm.adapter import INTEGRATION
+    from graft.adapters.vllm.integration import INTEGRATION
 
     monkeypatch.setenv("GRAFT_STRICT", "1")
     monkeypatch.setenv("GRAFT_ATTENTION", "hip")  # no hip impl serves on this CPU: nothing may serve

@@ -98,7 +98,7 @@ def get_gpt_layer_graft_spec(num_experts: Optional[int] = None, moe_grouped_gemm
     if normalization is not None and normalization not in NORMALIZATIONS:
         raise ValueError(f"get_gpt_layer_graft_spec: normalization must be one of {NORMALIZATIONS} or None "
                          f"(follow config.normalization), got {normalization!r}")
-    from graft.adapters.megatron.activation import integration
+    from graft.adapters.megatron.integration import integration
     from graft.integration import log_part_off
 
     off = integration().unavailable_parts()
