@@ -23,6 +23,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from graft import config
+from graft.dispatch import run as _dispatch_run
 from graft.errors import GraftDependencyError, GraftError
 from graft.hookspecs import hookimpl
 
@@ -232,9 +233,7 @@ class CallCounter:
 
     def run(self, op: str, *args):
         """Run a graft op (one validation and selection) and count the backend that served it."""
-        from graft import dispatch
-
-        out, impl = dispatch.run(op, *args)
+        out, impl = _dispatch_run(op, *args)
         self.served(op, impl.backend)
         return out
 

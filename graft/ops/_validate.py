@@ -65,8 +65,7 @@ def check_same_dtype(**tensors) -> None:
 def checks_values_on(t: torch.Tensor) -> bool:
     """Cheap pre-test for validators' fast paths: False when no value check will run for ``t``
     by configuration (a fast path may then skip everything but the metadata checks)."""
-    checks = _value_check_cache[1] if _value_check_cache[0] == config.current().generation else _value_checks()
-    return checks[0] if t.device.type == "cpu" else checks[1]
+    return value_checks_on(t.device.type)
 
 
 def value_checks_on(device_type: str) -> bool:
