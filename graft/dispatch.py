@@ -3,17 +3,17 @@
 The hot path does no work that can be done once. Per (op, device, dtype) a *plan* is
 built on the first call and kept until the configuration is reloaded or the caches are
 reset: the implementations that can serve statically, in priority order, up to the first
-one without a per-call check. Arguments whose signature (tensor shapes, dtypes and
-devices; scalar types and values: see ``_signature_key``) already passed the op's
-validation map straight to their plan, so a repeated call costs one key, one dict lookup
-and the per-call checks of the impls ranked above the chosen one. Validation still runs on
-every call for ops whose checks read tensor values while value checks are on, for ops
+one without a per-call check. Arguments whose signature (see :mod:`graft.signature`:
+tensor types, shapes, strides, dtypes, devices; scalar types and values) already passed
+the op's validation are recognised by a generated ``hit`` function and map straight to
+their plan, so a repeated call costs a C++ tensor comparison, a few scalar comparisons
+and the per-call checks of the impls ranked above the chosen one. Validation still runs
+on every call for ops whose checks read tensor values while value checks are on, for ops
 marked ``validate_cache="never"``, under torch.compile, and for arguments that cannot be
-keyed (lists, tensor subclasses, NaN scalars).
+remembered (lists, tensor subclasses, NaN scalars).
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Callable
 
@@ -25,13 +25,14 @@ from graft.platform import device_info, dtype_name
 from graft.plugins import get_registry
 from graft.ops._validate import value_checks_on
 from graft.registry import Implementation, key_tensor
+from graft.signature import Recogniser
 
 _is_compiling = torch.compiler.is_compiling
 
 log = logging.getLogger("graft.dispatch")
 
 
-_MAX_VALID = 1024  # argument signatures remembered per op (cleared, not evicted one by one, past this)
+_MAX_HITS = 8  # argument signatures remembered per op (the oldest is replaced past this)
 
 
 class _Plan:
@@ -43,88 +44,58 @@ class _Plan:
     def __init__(self, impls, error, source, requested, strict, missing, keep):
         self.impls = impls  # tuple of Implementation, ending at the first one without a check
         self.error = error  # GraftUnsupportedError to raise on every call, or None
-        # The common case, one impl and no per-call check: no loop at all.
-        self.first = impls[0] if len(impls) == 1 and impls[0].check is None and not (strict and missing) else None
+        # The common case, one impl and no per-call check: no loop and, unless GRAFT_STRICT=1
+        # (which verifies each output), nothing after the call.
+        self.first = impls[0] if len(impls) == 1 and impls[0].check is None and not strict else None
         self.source = source
         self.requested = requested
         self.strict = strict
         self.missing = missing
-        # Whether argument signatures that pass validation may be remembered (_Op.validated).
+        # Whether argument signatures that pass validation may be remembered (_Op.hits).
         self.keep = keep
 
 
 class _Op:
-    """Per-op state of the hot path: the spec's parts and the plans per (device, dtype)."""
+    """Per-op state of the hot path: the spec's parts, the plans per (device, dtype), and
+    the remembered argument signatures."""
 
-    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "key", "validated", "collective")
+    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "hits", "next_hit", "collective")
 
-    def __init__(self, name: str, spec, keyed: bool = True):
+    def __init__(self, name: str, spec, remember: bool = True):
         self.name = name
         self.spec = spec
         self.validate = spec.validate
         self.key_arg = spec.key_arg
         self.plans: dict = {}  # (device, dtype) -> _Plan
-        # Signature (see _signature_key) of arguments that passed validation -> their plan:
-        # one key and one lookup instead of validating and looking the plan up.
-        self.validated: dict = {}
+        # hit functions (graft.signature) of arguments that passed validation, each
+        # returning its plan: tried in order instead of validating and looking the plan up.
+        self.hits: list = []
+        self.next_hit = 0  # the slot the next signature takes once all are used
         self.collective = spec.family == "collectives"
-        keyed = keyed and spec.validate is not None and spec.validate_cache != "never"
-        key = _signature_key(spec.validate) if keyed else None
-        if key is not None and self.collective:
+        self.recogniser = None
+        if remember and spec.validate is not None and spec.validate_cache != "never":
             # A collective's validation includes the cross-rank agreement, made for one
             # process group: the default group is part of the signature (a group passed as
-            # an object is not keyable: those calls validate through fastpath.plan).
-            base = key
+            # an object is not remembered: those calls validate through fastpath.plan).
+            try:
+                self.recogniser = Recogniser(spec.validate, context=_default_group if self.collective else None,
+                                             varying=spec.validate_varying)
+            except (TypeError, ValueError) as exc:
+                log.info("%s: argument signatures are not remembered (%s)", name, exc)
 
-            def key(*args, **kwargs):
-                return base(*args, **kwargs), _default_group()
-        self.key = key
+    def remember(self, recogniser: Recogniser, args, kwargs, plan) -> None:
+        hit = recogniser.hit(args, kwargs, plan)
+        if hit is None:
+            return
+        hits = self.hits
+        if len(hits) < _MAX_HITS:
+            hits.append(hit)
+        else:
+            hits[self.next_hit] = hit
+            self.next_hit = (self.next_hit + 1) % _MAX_HITS
 
 
 _ops: dict = {}  # op -> _Op
-_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
-# Immutable scalars, keyed by (type, value): True and 1, 1 and 1.0 stay apart.
-_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, complex})
-_UNHASHABLE: list = []  # in a key, makes hashing it raise TypeError: that call is validated, not cached
-
-
-def _signature_key(validate):
-    """A function of the op's arguments returning a hashable summary of everything its
-    validator reads without reading values, generated per op so that building the key
-    costs a few attribute reads per argument (less than validating):
-
-    * a plain tensor (``torch.Tensor`` or ``nn.Parameter``, not a subclass such as a fake
-      or functional tensor, whose shapes may be symbolic): ``(shape, dtype, device)``;
-    * an int, float, bool, str, None, dtype or complex: ``(type, value)``;
-    * anything else (lists, objects, a NaN float): unhashable, so the call is validated as
-      without a cache (a NaN must reach the validator every time, to be rejected there).
-
-    None when the validator's signature cannot be read, or takes ``*args``/``**kwargs`` or
-    positional-only parameters.
-    """
-    try:
-        params = list(inspect.signature(validate).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params):
-        return None
-    sig, defaults = [], {}
-    for p in params:
-        if p.kind is p.KEYWORD_ONLY and "*" not in sig:
-            sig.append("*")
-        if p.default is p.empty:
-            sig.append(p.name)
-        else:
-            defaults[f"_graft_default_{p.name}"] = p.default
-            sig.append(f"{p.name}=_graft_default_{p.name}")
-    # The validator's own parameter names: keyword arguments bind as they do for it.
-    items = ", ".join(
-        f"({n}.shape, {n}.dtype, {n}.device) if {n}.__class__ in _graft_T else "
-        f"({n}.__class__, {n}) if {n}.__class__ in _graft_S and {n} == {n} else _graft_U" for n in (p.name for p in params))
-    src = f"def key({', '.join(sig)}):\n    return ({items},)\n"
-    env = {"_graft_T": _TENSORS, "_graft_S": _SCALARS, "_graft_U": _UNHASHABLE, **defaults}
-    exec(compile(src, f"<graft signature key of {getattr(validate, '__qualname__', validate)}>", "exec"), env)
-    return env["key"]
 
 
 def _clear() -> None:
@@ -137,8 +108,8 @@ selection.on_reset(_clear)
 def _op(op: str) -> _Op:
     state = _ops.get(op)
     if state is None:
-        if _is_compiling():  # tracing (no cache is used) cannot generate the key function: a throwaway state
-            return _Op(op, get_registry().op(op), keyed=False)
+        if _is_compiling():  # tracing (no signature is remembered): a throwaway state
+            return _Op(op, get_registry().op(op), remember=False)
         state = _Op(op, get_registry().op(op))
         _ops[op] = state
     return state
@@ -231,14 +202,15 @@ def select(op: str, *args, **kwargs) -> Implementation:
     return _choose(op, _plan_for(_op(op), args, kwargs), args, kwargs)
 
 
+_NOTHING = object()  # a context no remembered signature shares
 _collective_plan: Callable | None = None  # graft.kernels.collectives.fastpath.plan, imported on first use
 
 
 def _default_group():
     try:
         return torch.distributed.distributed_c10d._world.default_pg
-    except AttributeError:  # private API moved, or no torch.distributed: nothing cached then
-        return _UNHASHABLE
+    except AttributeError:  # private API moved, or no torch.distributed: nothing remembered then
+        return _NOTHING
 
 
 def _validate(state: _Op, args, kwargs) -> None:
@@ -260,13 +232,14 @@ def _make_entry(with_impl: bool):
         if state is None:
             state = _op(op)
         plan = None
-        key = state.key
-        if key is not None and not _is_compiling():  # tracing: symbolic shapes, no cache
+        if state.hits and not _is_compiling():  # tracing: symbolic shapes, nothing remembered
             try:
-                key = key(*args, **kwargs)
-                plan = state.validated.get(key)
-            except TypeError:  # an unhashable or unbindable argument: validate it every call
-                key = None
+                for hit in state.hits:
+                    plan = hit(*args, **kwargs)
+                    if plan is not None:
+                        break
+            except TypeError:  # arguments the validator cannot bind: it names the problem
+                plan = None
         if plan is None:
             if state.validate is not None:
                 if state.collective:
@@ -279,14 +252,16 @@ def _make_entry(with_impl: bool):
                 plan = state.plans.get((tensor.device, tensor.dtype))
             if plan is None:
                 plan = _plan_for(state, args, kwargs)
-            if key is not None and plan.keep:
-                validated = state.validated
-                if len(validated) >= _MAX_VALID:
-                    validated.clear()
-                validated[key] = plan
+            if plan.keep and state.recogniser is not None and not _is_compiling():
+                state.remember(state.recogniser, args, kwargs, plan)
         impl = plan.first
-        if impl is None:
-            impl = _choose(op, plan, args, kwargs)
+        if impl is not None:
+            try:
+                out = impl.fn(*args, **kwargs)
+            except GraftUnsupportedError as exc:
+                out, impl = _fall_back(op, impl, exc, args, kwargs)
+            return (out, impl) if with_impl else out
+        impl = _choose(op, plan, args, kwargs)
         try:
             out = impl.fn(*args, **kwargs)
         except GraftUnsupportedError as exc:

@@ -41,8 +41,11 @@ class OpSpec:
     metadata (tensor shapes, dtypes and devices; scalar types and values) already passed
     it: ``"values"`` (the default) only while value checks are off for the key tensor's
     device (a validator may read tensor values: ``can_read_values``); ``"always"`` for a
-    validator that reads metadata only; ``"never"`` for one whose scalars change on
-    every call (a step count), where a cache would only miss.
+    validator that reads metadata only; ``"never"`` to validate every call.
+    ``validate_varying`` (optional) takes, by name, the scalar arguments whose values
+    change from call to call (a step count, a learning rate) and checks them as
+    ``validate`` does: a remembered signature then matches them by type only, and
+    ``validate_varying`` runs on every call instead of ``validate``.
     """
 
     name: str
@@ -57,6 +60,7 @@ class OpSpec:
     # caches, ids or scales): what `graft conformance --grad` differentiates. Empty: no gradient.
     grad_inputs: tuple = ()
     validate_cache: str = "values"
+    validate_varying: Callable | None = None
 
     def __post_init__(self):
         if self.validate_cache not in ("values", "always", "never"):

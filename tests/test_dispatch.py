@@ -186,7 +186,7 @@ def test_remembered_signatures_never_hide_an_error(fresh_graft):
     for _ in range(3):
         fused.rms_norm(x, w, 1e-6)
     state = dispatch._ops["fused.rms_norm"]
-    assert len(state.validated) == 1  # the repeated calls share one remembered signature
+    assert len(state.hits) == 1  # the repeated calls share one remembered signature
     with pytest.raises(GraftInputError, match="eps must be a non-negative float"):
         fused.rms_norm(x, w, float("nan"))
     nan = float("nan")
@@ -205,7 +205,7 @@ def test_remembered_signatures_never_hide_an_error(fresh_graft):
         fused.rms_norm(x, torch.ones(8, device="meta"), 1e-6)
     with pytest.raises(GraftInputError):
         fused.rms_norm([[1.0] * 8] * 3, w, 1e-6)
-    assert len(state.validated) == 1  # none of the failures was remembered
+    assert len(state.hits) == 1  # none of the failures was remembered
 
 
 def test_value_checks_run_every_call_while_on(fresh_graft):
@@ -221,11 +221,11 @@ def test_value_checks_run_every_call_while_on(fresh_graft):
     fused.rotary_embedding(good, q, k, 8, cache)
     with pytest.raises(GraftInputError, match="positions must lie in"):
         fused.rotary_embedding(bad, q, k, 8, cache)  # same metadata as the good calls
-    assert not dispatch._ops["fused.rotary_embedding"].validated
+    assert not dispatch._ops["fused.rotary_embedding"].hits
     with graft.override_config(GRAFT_CHECK_VALUES="0"):
         for _ in range(2):
             fused.rotary_embedding(good, q, k, 8, cache)
-        assert len(dispatch._ops["fused.rotary_embedding"].validated) == 1
+        assert len(dispatch._ops["fused.rotary_embedding"].hits) == 1
         fused.rotary_embedding(bad, q, k, 8, cache)  # no value check: the kernels mask it
     with pytest.raises(GraftInputError, match="positions must lie in"):  # on again: a new configuration
         fused.rotary_embedding(bad, q, k, 8, cache)
@@ -235,28 +235,91 @@ def test_remembered_signatures_are_bounded_and_reset(fresh_graft):
     from graft.ops import fused
 
     w = torch.ones(4)
-    for n in range(dispatch._MAX_VALID + 5):
+    for n in range(dispatch._MAX_HITS + 5):
         fused.rms_norm(torch.randn(1, 4), w, 1e-6 + n * 1e-9)
-    assert 0 < len(dispatch._ops["fused.rms_norm"].validated) <= dispatch._MAX_VALID
+    assert 0 < len(dispatch._ops["fused.rms_norm"].hits) <= dispatch._MAX_HITS
     graft.reload_config()
     assert "fused.rms_norm" not in dispatch._ops
 
 
-def test_signature_key_binds_keywords_and_defaults_as_the_validator_does():
+def test_signature_hit_binds_keywords_and_defaults_as_the_validator_does():
+    from graft.signature import Recogniser
+
     def validate(x, y, scale=1.0, *, mode="a"):
         pass
 
-    key = dispatch._signature_key(validate)
+    rec, plan = Recogniser(validate), object()
     x = torch.ones(2)
-    assert key(x, x) == key(x, y=x, scale=1.0, mode="a")
-    assert key(x, x, 1.0) != key(x, x, 1) != key(x, x, True)
+    hit = rec.hit((x, x), {}, plan)
+    assert hit(x, x) is plan and hit(x, y=x, scale=1.0, mode="a") is plan
+    assert hit(torch.zeros(2), x) is plan  # values are not part of a signature
+    for other in ((x, x, 1), (x, x, True), (x, x, 2.0), (x, torch.ones(3)), (x, x.double()), (x, torch.ones(4)[::2]),
+                  (x, x.clone().requires_grad_()), (x, None), (x, [1, 2])):
+        assert hit(*other) is None, other
+    assert hit(x, x, mode="b") is None
     with pytest.raises(TypeError):
-        hash(key(x, [1, 2]))  # a list: never remembered
+        hit(x)  # unbindable: dispatch validates, and the validator names the problem
+    assert rec.hit((x, [1, 2]), {}, plan) is None  # a list: never remembered
+    assert rec.hit((x, x, float("nan")), {}, plan) is None
+    assert rec.hit((x,), {}, plan) is None
+    none_hit = rec.hit((x, None), {}, plan)  # None is a kind of its own
+    assert none_hit(x, None) is plan and none_hit(x, x) is None
     with pytest.raises(TypeError):
-        hash(key(x, x, float("nan")))
-    with pytest.raises(TypeError):
-        key(x)  # unbindable: the validator names the problem
-    assert dispatch._signature_key(lambda *a: None) is None
+        Recogniser(lambda *a: None)
+
+
+def test_signature_hit_checks_varying_scalars_every_call():
+    from graft.signature import Recogniser
+
+    seen = []
+
+    def validate(x, lr, step):
+        pass
+
+    def varying(step, lr):
+        seen.append((lr, step))
+        if step < 1:
+            raise ValueError("step")
+
+    rec, plan = Recogniser(validate, varying=varying), object()
+    x = torch.ones(2)
+    hit = rec.hit((x, 0.1, 1), {}, plan)
+    assert hit(x, 0.5, 7) is plan and seen == [(0.5, 7)]  # another lr and step: the same signature
+    assert hit(x, 1, 7) is None  # an int lr is another type
+    with pytest.raises(ValueError):
+        hit(x, 0.1, 0)
+    with pytest.raises(TypeError, match="does not take"):
+        Recogniser(validate, varying=lambda beta: None)
+
+
+def test_adam_step_remembers_its_signature_across_steps(fresh_graft):
+    from graft.errors import GraftInputError
+    from graft.ops import fused
+
+    p, g, m, v = torch.randn(5), torch.randn(5), torch.zeros(5), torch.zeros(5)
+    for step in range(1, 4):
+        fused.adam_step(p, g, m, v, 1e-3 / step, 0.9, 0.999, 1e-8, step)
+    assert len(dispatch._ops["fused.adam_step"].hits) == 1
+    with pytest.raises(GraftInputError, match="step must be an int >= 1"):
+        fused.adam_step(p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 0)
+    with pytest.raises(GraftInputError, match="lr must be in"):
+        fused.adam_step(p, g, m, v, float("nan"), 0.9, 0.999, 1e-8, 4)
+    with pytest.raises(GraftInputError, match="beta1"):
+        fused.adam_step(p, g, m, v, 1e-3, 1.5, 0.999, 1e-8, 4)
+
+
+def test_torch_tensor_check_is_used_where_it_behaves():
+    from graft import signature
+
+    assert signature._torch_guard_works()  # the torch graft pins: the C++ check is in use
+    x = torch.ones(2, 3)
+    for make in (signature._torch_guard, signature._python_guard):
+        check = make((x,))
+        assert check(torch.zeros(2, 3)) and not check(torch.zeros(3, 2)) and not check(torch.ones(3, 2).t())
+        assert not check(torch.zeros(2, 3, dtype=torch.int32)) and not check(torch.zeros(2, 3, device="meta"))
+        assert not check(None) and not check(torch.nn.Parameter(x))
+    aliased = signature.tensor_guard((x, x))  # one tensor passed twice still matches
+    assert aliased(x, x) and aliased(torch.ones(2, 3), torch.ones(2, 3)) and not aliased(x, torch.ones(3))
 
 
 @pytest.mark.timeout(120)
@@ -279,12 +342,12 @@ def test_collective_signatures_are_per_default_group_and_never_with_validate_alw
         for _ in range(2):
             torch.testing.assert_close(dispatch.call("collectives.all_reduce", x), x)
         state = dispatch._ops["collectives.all_reduce"]
-        assert len(state.validated) == 1
+        assert len(state.hits) == 1
         with pytest.raises(GraftInputError, match="op must be one of"):
             dispatch.call("collectives.all_reduce", x, None, "mean")
         with graft.override_config(GRAFT_COLLECTIVES_VALIDATE="always"):
             dispatch.call("collectives.all_reduce", x)
-            assert not dispatch._ops["collectives.all_reduce"].validated
+            assert not dispatch._ops["collectives.all_reduce"].hits
     finally:
         dist.destroy_process_group()
     with pytest.raises(GraftInputError, match="not initialized"):  # a remembered signature is of the old group
@@ -292,6 +355,6 @@ def test_collective_signatures_are_per_default_group_and_never_with_validate_alw
     init()
     try:
         dispatch.call("collectives.all_reduce", x)
-        assert len(dispatch._ops["collectives.all_reduce"].validated) == 1
+        assert len(dispatch._ops["collectives.all_reduce"].hits) == 1
     finally:
         dist.destroy_process_group()

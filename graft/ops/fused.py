@@ -506,16 +506,24 @@ def validate_adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, 
         if t.shape != param.shape:
             raise GraftInputError(f"{OP}: {name} has shape {tuple(t.shape)}, expected param's {tuple(param.shape)}")
     check_same_device(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    _check_number("lr", lr, 0.0, math.inf)
     _check_number("beta1", beta1, 0.0, 1.0, high_open=True)
     _check_number("beta2", beta2, 0.0, 1.0, high_open=True)
     _check_number("eps", eps, 0.0, math.inf)
     _check_number("weight_decay", weight_decay, 0.0, math.inf)
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise GraftInputError(f"{OP}: step must be an int >= 1 (the update's 1-based count), got {step!r}")
+    validate_adam_schedule(lr, step)
     for name, flag in (("adam_w_mode", adam_w_mode), ("bias_correction", bias_correction)):
         if not isinstance(flag, (bool, int)):
             raise GraftInputError(f"{OP}: {name} must be a bool, got {type(flag).__name__}")
+
+
+def validate_adam_schedule(lr, step):
+    """The arguments that change every step (a scheduler's lr, the step count): checked on
+    every call, also for a remembered signature (``OpSpec.validate_varying``)."""
+    if type(lr) is float and 0.0 <= lr < math.inf and type(step) is int and step >= 1:
+        return
+    _check_number("lr", lr, 0.0, math.inf)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise GraftInputError(f"{OP}: step must be an int >= 1 (the update's 1-based count), got {step!r}")
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
@@ -653,7 +661,8 @@ OPS += [
         reference=adam_step_reference,
         description="one Adam/AdamW update (DeepSpeed/Apex multi_tensor_adam semantics), fp32 math, functional",
         validate=validate_adam_step,
-        validate_cache="never",  # step (and often lr) change every call: its fast path is inline
+        validate_cache="always",  # metadata only, but for lr and step:
+        validate_varying=validate_adam_schedule,  # checked on every call
     ),
 ]
 
