@@ -7,7 +7,7 @@ tools all resolve ``graft.kernels.triton._common`` to a real file under ``graft/
 """
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 
 def find_packages(root="graft"):
@@ -18,4 +18,8 @@ def find_packages(root="graft"):
             yield dirpath.replace(os.sep, ".")
 
 
-setup(packages=sorted(find_packages()))
+# dispatch's hot path in C (graft/_fastcall.c); optional: without a compiler the Python
+# entries in graft/dispatch.py serve alone.
+FASTCALL = Extension("graft._fastcall", ["graft/_fastcall.c"], optional=True)
+
+setup(packages=sorted(find_packages()), ext_modules=[FASTCALL])

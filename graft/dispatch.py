@@ -15,7 +15,7 @@ remembered (lists, tensor subclasses, NaN scalars).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -59,7 +59,8 @@ class _Op:
     """Per-op state of the hot path: the spec's parts, the plans per (device, dtype), and
     the remembered argument signatures."""
 
-    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "hits", "next_hit", "collective")
+    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "hits", "next_hit", "next_fast",
+                 "collective")
 
     def __init__(self, name: str, spec, remember: bool = True):
         self.name = name
@@ -71,6 +72,7 @@ class _Op:
         # returning its plan: tried in order instead of validating and looking the plan up.
         self.hits: list = []
         self.next_hit = 0  # the slot the next signature takes once all are used
+        self.next_fast = 0  # the same for _fast_hits[name]
         self.collective = spec.family == "collectives"
         self.recogniser = None
         if remember and spec.validate is not None and spec.validate_cache != "never":
@@ -87,19 +89,42 @@ class _Op:
         hit = recogniser.hit(args, kwargs, plan)
         if hit is None:
             return
-        hits = self.hits
-        if len(hits) < _MAX_HITS:
-            hits.append(hit)
+        if len(self.hits) < _MAX_HITS:
+            self.hits.append(hit)
         else:
-            hits[self.next_hit] = hit
+            self.hits[self.next_hit] = hit
             self.next_hit = (self.next_hit + 1) % _MAX_HITS
+        if plan.first is not None and _fastcall is not None:
+            self.remember_fast(recogniser, args, kwargs, plan)
+
+    def remember_fast(self, recogniser: Recogniser, args, kwargs, plan) -> None:
+        """The signature for the C entries (graft/_fastcall.c), which call a plan's one
+        unconditional implementation without a Python frame; they match the spelling of
+        the call (positional count, keyword names), so each spelling is added when the
+        C entry first passes it on."""
+        fast = recogniser.fast_hit(args, kwargs, plan.first)
+        if fast is None:
+            return
+        fast_hits = _fast_hits.setdefault(self.name, [])
+        if len(fast_hits) < _MAX_HITS:
+            fast_hits.append(fast)
+        else:
+            fast_hits[self.next_fast] = fast
+            self.next_fast = (self.next_fast + 1) % _MAX_HITS
 
 
 _ops: dict = {}  # op -> _Op
+_fast_hits: dict = {}  # op -> remembered signatures as graft/_fastcall.c reads them (Recogniser.fast_hit)
+_fastcall: Any
+try:
+    from graft import _fastcall
+except ImportError:  # built without a C compiler: the Python entries serve alone
+    _fastcall = None
 
 
 def _clear() -> None:
     _ops.clear()
+    _fast_hits.clear()
 
 
 selection.on_reset(_clear)
@@ -240,6 +265,8 @@ def _make_entry(with_impl: bool):
                         break
             except TypeError:  # arguments the validator cannot bind: it names the problem
                 plan = None
+            if plan is not None and plan.first is not None and _fastcall is not None and state.recogniser:
+                state.remember_fast(state.recogniser, args, kwargs, plan)  # a spelling the C entry missed
         if plan is None:
             if state.validate is not None:
                 if state.collective:
@@ -295,6 +322,24 @@ call.__doc__ = """Validate the arguments (the same checks for every backend), th
     why, and the call falls back to the next implementation, with the reason logged,
     unless GRAFT_STRICT=1.
     """
+
+
+if _fastcall is not None:
+    # The C entries take remembered signatures served by one implementation and hand every
+    # other call to the Python entries above, which stay the definition (and what
+    # torch.compile traces in their place: it cannot look into C).
+    _python_call, _python_run = call, run
+    _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
+                        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
+    call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
+    try:
+        from torch._dynamo import substitute_in_graph
+
+        substitute_in_graph(call, skip_signature_check=True)(_python_call)
+        substitute_in_graph(run, skip_signature_check=True)(_python_run)
+    except Exception as exc:  # a torch without it: compile with the Python entries only
+        log.info("torch.compile cannot trace graft's C entries (%s); using the Python entries", exc)
+        call, run = _python_call, _python_run
 
 
 def _expected_output(spec, args, kwargs):

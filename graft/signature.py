@@ -69,6 +69,7 @@ def _torch_guard_works() -> bool:
 
 
 _guard: Callable | None = None
+FAST_MAX_ARGS = 32  # graft/_fastcall.c's MAX_ARGS
 
 
 def tensor_guard(tensors: tuple) -> Callable[..., bool]:
@@ -105,19 +106,12 @@ class Recogniser:
         self.context = context
         self.factories: dict = {}  # kinds of the arguments -> factory of hit functions
 
-    def hit(self, args: tuple, kwargs: dict, plan) -> Callable | None:
-        """A function recognising these arguments' signature (returning ``plan``), or None
-        when they cannot be remembered."""
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError:
-            return None
-        bound.apply_defaults()
-        values = bound.arguments
+    def _classify(self, pairs):
+        """Kinds ("T", "N", ("S", type), ("V", type)), tensors and scalar values of
+        (name, value) pairs, or None when a value cannot be part of a signature."""
         kinds: list = []
         tensors, scalars = [], []
-        for name in self.names:
-            value = values[name]
+        for name, value in pairs:
             cls = value.__class__
             if cls in _TENSORS:
                 kinds.append("T")
@@ -134,6 +128,20 @@ class Recogniser:
                 scalars.append(value)
             else:
                 return None
+        return kinds, tensors, scalars
+
+    def hit(self, args: tuple, kwargs: dict, plan) -> Callable | None:
+        """A function recognising these arguments' signature (returning ``plan``), or None
+        when they cannot be remembered."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        classified = self._classify((name, bound.arguments[name]) for name in self.names)
+        if classified is None:
+            return None
+        kinds, tensors, scalars = classified
         pattern = tuple(kinds)
         factory = self.factories.get(pattern)
         if factory is None:
@@ -141,6 +149,27 @@ class Recogniser:
         context = self.context() if self.context is not None else None
         guard = tensor_guard(tuple(tensors)) if tensors else None
         return factory(guard, plan, context, *scalars)
+
+    def fast_hit(self, args: tuple, kwargs: dict, impl) -> tuple | None:
+        """The same signature as data for graft._fastcall (its header describes the tuple),
+        for arguments passed exactly like these (positional count and keyword names), or
+        None when they cannot be remembered there."""
+        names = self.names[:len(args)] + list(kwargs)
+        passed = list(args) + list(kwargs.values())
+        if len(args) > len(self.names) or len(passed) > FAST_MAX_ARGS:
+            return None
+        classified = self._classify(zip(names, passed))
+        if classified is None:
+            return None
+        kinds, tensors, scalars = classified
+        if any(n not in names for n in self.varying_names):
+            return None  # a varying argument left to its default: not in the call to hand over
+        values = iter(scalars)
+        pairs = tuple((k[1], next(values) if k[0] == "S" else None) for k in kinds if isinstance(k, tuple))
+        codes = bytes(ord(k if isinstance(k, str) else k[0]) for k in kinds)
+        context = self.context() if self.context is not None else None
+        return (len(args), tuple(kwargs), codes, tensor_guard(tuple(tensors)) if tensors else None, pairs,
+                self.varying, tuple(names.index(n) for n in self.varying_names), self.context, context, impl)
 
     def _factory(self, kinds: tuple) -> Callable:
         """Source for one arrangement of argument kinds, compiled once: the hit function's

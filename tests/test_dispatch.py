@@ -358,3 +358,113 @@ def test_collective_signatures_are_per_default_group_and_never_with_validate_alw
         assert len(dispatch._ops["collectives.all_reduce"].hits) == 1
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------- the C entries (graft/_fastcall.c)
+
+def test_the_c_entries_are_built_and_in_use():
+    # ci/setup.sh installs graft with a C compiler present: the C entries must be there.
+    assert dispatch._fastcall is not None, "graft._fastcall was not built (see setup.py)"
+    assert dispatch.call is dispatch._fastcall.call and dispatch.run is dispatch._fastcall.run
+
+
+@pytest.mark.parametrize("entry", ["c", "python"])
+def test_c_and_python_entries_agree(fresh_graft, entry):
+    """The same calls, results and errors through either entry; a remembered signature is
+    taken by the C entry whatever the spelling it was first seen with."""
+    from graft.errors import GraftInputError
+    from graft.ops import attention, fused
+
+    call = dispatch.call if entry == "c" else dispatch._python_call
+    run = dispatch.run if entry == "c" else dispatch._python_run
+    x, w = torch.randn(3, 8), torch.randn(8)
+    want = fused.rms_norm_reference(x, w, 1e-6)
+    for _ in range(3):
+        torch.testing.assert_close(call("fused.rms_norm", x, w, 1e-6), want)
+        torch.testing.assert_close(call("fused.rms_norm", x, weight=w, eps=1e-6), want)
+    out, impl = run("fused.rms_norm", x, w, 1e-6)
+    torch.testing.assert_close(out, want)
+    assert impl.op == "fused.rms_norm"
+    if entry == "c":  # one per spelling (the Python entry called directly adds one per call)
+        assert len(dispatch._fast_hits["fused.rms_norm"]) == 2
+    with pytest.raises(GraftInputError, match="eps"):
+        call("fused.rms_norm", x, w, -1.0)
+    with pytest.raises(GraftInputError, match="weight must be 1-D"):
+        call("fused.rms_norm", x, torch.ones(9), 1e-6)
+    with pytest.raises(TypeError):
+        call("fused.rms_norm", x, w, 1e-6, bogus=1)
+    with pytest.raises(graft.errors.GraftError, match="unknown op 'fused.no_such_op'"):
+        call("fused.no_such_op", x)
+    q, k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with graft.override_config(GRAFT_CHECK_VALUES="0"):
+        for _ in range(2):
+            got = call("attention.prefill", q, k, v, cu, cu, 3, 3, causal=True)
+    torch.testing.assert_close(got, attention.prefill_reference(q, k, v, cu, cu, 3, 3, causal=True))
+
+
+def test_c_entry_falls_back_when_an_implementation_fails_at_run_time(fresh_graft, monkeypatch, caplog):
+    """A remembered signature's implementation that starts failing (a lost device, a failed
+    lazy build) falls back through the Python code, with the reason logged."""
+    import logging
+
+    from graft.plugins import get_host
+    from graft.registry import Implementation
+
+    from _toy_ops import hookimpl
+
+    import dataclasses
+
+    from _toy_ops import TOY_OP
+
+    def validate(x, factor):  # remembered signatures need a validator
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("x")
+
+    class Flaky:
+        fail = False
+
+        @hookimpl
+        def graft_register_ops(self, registry):
+            registry.add_op(dataclasses.replace(TOY_OP, validate=validate, validate_cache="always"))
+
+        @hookimpl
+        def graft_register_kernels(self, registry):
+            def run(x, factor):
+                if Flaky.fail:
+                    raise GraftUnsupportedError("device lost")
+                return x * factor + 1  # tagged: not the reference's result
+
+            registry.add_impl(Implementation(op="fused.toy_scale", backend="flaky", fn=run,
+                                             available=lambda: "device lost" if Flaky.fail else None))
+
+    host = get_host()
+    host.register(ToyAdapter(define_op=False), "toy")
+    host.register(Flaky(), "flaky")
+    monkeypatch.setenv("GRAFT_FUSED", "flaky,torch")
+    graft.reload_config()
+    x = torch.ones(4)
+    for _ in range(2):
+        out, impl = dispatch.run("fused.toy_scale", x, 2.0)
+        assert impl.backend == "flaky" and out.tolist() == [3.0] * 4
+    assert dispatch._fast_hits["fused.toy_scale"]
+    Flaky.fail = True
+    caplog.set_level(logging.WARNING, logger="graft")
+    out, impl = dispatch.run("fused.toy_scale", x, 2.0)
+    assert impl.backend != "flaky" and out.tolist() == [2.0] * 4
+    assert dispatch.call("fused.toy_scale", x, 2.0).tolist() == [2.0] * 4
+    assert any("flaky (flaky) failed at run time: device lost" in r.getMessage() for r in caplog.records)
+
+
+def test_c_entry_leaves_strict_mode_and_per_call_checks_to_python(toy, monkeypatch):
+    x = torch.ones(4)
+    for _ in range(2):
+        assert dispatch.run(OP, x, 3.0)[1].backend == "fast"  # "fast" has a per-call check
+    assert not dispatch._fast_hits.get(OP)
+    assert dispatch.run(OP, torch.ones(3), 3.0)[1].backend == "vendor"  # its check declines odd sizes
+    monkeypatch.setenv("GRAFT_BACKENDS", "vendor")
+    monkeypatch.setenv("GRAFT_STRICT", "1")
+    graft.reload_config()
+    for _ in range(2):
+        assert dispatch.run(OP, x, 3.0)[1].backend == "vendor"
+    assert not dispatch._fast_hits.get(OP)  # GRAFT_STRICT=1 verifies every output: Python

@@ -6,13 +6,16 @@ Two measurements per op, each interleaved (medians of per-round differences):
 
 * ``overhead_us``, graft's own cost: the selected implementation's function is swapped,
   for the measurement only, for a stub that returns a precomputed output, and
-  ``dispatch.call`` is timed against calling that stub directly (61 rounds of 200 calls:
-  many short rounds, so a descheduled spell spoils few of them). The
-  kernel's time (and its noise, tens to thousands of us on a shared CPU) drops out, so
-  the difference is what graft adds, to a fraction of a microsecond. Measured with value
-  checks off (the GPU default: each is a device sync there) and, as
-  ``overhead_with_value_checks_us``, on (the CPU default: checks that read tensor values,
-  such as cu_seqlens or expert ids, run on every call).
+  ``dispatch.call`` is timed against calling that stub directly. The kernel's time (and its
+  noise, tens to thousands of us on a shared CPU) drops out, so the difference is what
+  graft adds, to a fraction of a microsecond. All ops are stubbed at once and their rounds
+  interleaved (op after op, graft and stub back to back): an op's rounds are spread over the
+  whole measurement (several seconds), so a spell in which the shared machine runs at half
+  speed (such spells last a second or two here) slows a minority of an op's rounds, which
+  the median drops, instead of all of them. Measured with value checks off (the GPU
+  default: each is a device sync there) and, as ``overhead_with_value_checks_us``, on (the
+  CPU default: checks that read tensor values, such as cu_seqlens or expert ids, run on
+  every call).
 * ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
   directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
   the kernel's noise.
@@ -58,13 +61,13 @@ def stubbed(impl, output):
 
 
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
-            stub_rounds: int = 61, stub_inner: int = 200) -> list:
+            stub_rounds: int = 301, stub_inner: int = 100) -> list:
     import graft
 
     registry = graft.get_registry()
     cases = first_quick_cases()
     call = graft.dispatch.call
-    rows = []
+    rows, measured = [], []  # measured: (row, args, kwargs, output)
     for op in sorted(registry.ops):
         if (registry.ops[op].family == "collectives") != collectives or (only and op not in only):
             continue
@@ -80,25 +83,37 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
             real = interleaved({"graft": lambda: call(op, *args, **kwargs),
                                 "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner, sync=sync)
             output = direct(*args, **kwargs)
-        own = {}
-        for checks in ("0", "1"):
-            with graft.override_config(GRAFT_CHECK_VALUES=checks):
+        progress(f"  {op:32s} real call measured")
+        row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
+               "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
+               "real_overhead_us": real.difference("graft", "direct") * 1e6}
+        rows.append(row)
+        measured.append((row, args, kwargs, output))
+    # graft's own cost, every op at once (see the module doc); the value-check mode validates
+    # some ops in full on every call (tens of us), so it gets fewer rounds.
+    for checks, key, n_rounds, n_inner in (("0", "overhead_us", stub_rounds, stub_inner),
+                                           ("1", "overhead_with_value_checks_us", max(stub_rounds // 5, 15),
+                                            max(stub_inner // 2, 10))):
+        if not measured:
+            break
+        with graft.override_config(GRAFT_CHECK_VALUES=checks), contextlib.ExitStack() as stack:
+            variants = {}
+            for row, args, kwargs, output in measured:
+                op = row["op"]
                 # The selection again (a reload rebuilds plans): the stub goes where graft calls.
                 served = graft.select(op, *args, **kwargs)
                 call(op, *args, **kwargs)  # the first call of a signature validates in full (and agrees)
-                with stubbed(served, output) as stub:
-                    # No sync: the stubbed calls do not communicate, so no rank waits for another.
-                    own[checks] = interleaved({"graft": lambda: call(op, *args, **kwargs),
-                                               "stub": lambda: stub(*args, **kwargs)},
-                                              rounds=stub_rounds, inner=stub_inner)
-        row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
-               "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
-               "real_overhead_us": real.difference("graft", "direct") * 1e6,
-               # graft's own cost: per-round differences against the stub, median
-               "overhead_us": own["0"].difference("graft", "stub") * 1e6,
-               "overhead_with_value_checks_us": own["1"].difference("graft", "stub") * 1e6}
-        progress(f"  {op:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
+                stub = stack.enter_context(stubbed(served, output))
+                variants[f"{op} graft"] = lambda op=op, args=args, kwargs=kwargs: call(op, *args, **kwargs)
+                variants[f"{op} stub"] = lambda stub=stub, args=args, kwargs=kwargs: stub(*args, **kwargs)
+            # No sync: the stubbed calls do not communicate, so no rank waits for another.
+            progress(f"  graft's own cost, value checks {'on' if checks == '1' else 'off'}: {len(measured)} ops "
+                     f"interleaved, {n_rounds} rounds of {n_inner} calls")
+            own = interleaved(variants, rounds=n_rounds, inner=n_inner)
+            for row, *_ in measured:
+                row[key] = own.difference(f"{row['op']} graft", f"{row['op']} stub") * 1e6
+    for row, *_ in measured:
+        progress(f"  {row['op']:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
                  f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
                  f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)")
-        rows.append(row)
     return rows

@@ -1,0 +1,277 @@
+/* graft._fastcall: dispatch's hot path for a remembered argument signature, in C.
+ *
+ * call(op, *args, **kwargs) and run(op, *args, **kwargs) do what graft.dispatch's Python
+ * entries do when the arguments have a signature that already passed the op's validation
+ * and one implementation serves it unconditionally: find the signature among the op's
+ * remembered ones, call the implementation, return its result (run: with the
+ * implementation). Anything else (no remembered signature matches, the implementation
+ * raises GraftUnsupportedError) goes to the Python code, which is the definition; this
+ * file only saves the Python frames and the argument tuples and dicts around the call.
+ *
+ * A remembered signature ("hit") is a tuple built by graft.signature.Recogniser.fast_hit:
+ *   (nargs, kwnames, kinds, guard, values, varying, varying_at, context, context_value, impl)
+ * nargs     positional arguments after op; kwnames: the keyword names, in call order (a
+ *           call matches only with the same shape: other spellings get their own hit)
+ * kinds     bytes, one per passed argument: T tensor, N None, S scalar (exact type and
+ *           value), V varying scalar (exact type; values checked by `varying`)
+ * guard     called with the T arguments in order: True when their metadata match
+ * values    tuple of (type, value), one per S argument in order
+ * varying   None, or called with the arguments at the positions in varying_at
+ * context   None, or called with no arguments: must return context_value (identity)
+ * impl      the Implementation to call (impl.fn is read on each call)
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define MAX_ARGS 32
+
+static PyObject *table;         /* op -> list of hits */
+static PyObject *slow_call;     /* the Python entries: every case this file does not take */
+static PyObject *slow_run;
+static PyObject *fall_back;     /* fall_back(op, impl, exc, args, kwargs) -> (out, impl) */
+static PyObject *unsupported;   /* GraftUnsupportedError */
+static PyObject *compiler;      /* torch.compiler (its _is_compiling_flag), or None */
+static PyObject *str_fn, *str_flag;
+
+static int
+matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, PyObject *kwnames)
+{
+    /* 1: the call has this hit's signature, 0: not, -1: error (raised by varying/context). */
+    Py_ssize_t hit_nargs = PyLong_AsSsize_t(PyTuple_GET_ITEM(hit, 0));
+    if (hit_nargs != nargs)
+        return 0;
+    PyObject *hit_kw = PyTuple_GET_ITEM(hit, 1);
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (PyTuple_GET_SIZE(hit_kw) != nkw)
+        return 0;
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *a = PyTuple_GET_ITEM(hit_kw, i), *b = PyTuple_GET_ITEM(kwnames, i);
+        if (a != b) {
+            int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+            if (eq <= 0)
+                return eq;
+        }
+    }
+    const char *kinds = PyBytes_AS_STRING(PyTuple_GET_ITEM(hit, 2));
+    PyObject *values = PyTuple_GET_ITEM(hit, 4);
+    PyObject *tensors[MAX_ARGS];
+    Py_ssize_t nt = 0, nv = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = args[i];
+        switch (kinds[i]) {
+        case 'T':
+            tensors[nt++] = a;
+            break;
+        case 'N':
+            if (a != Py_None)
+                return 0;
+            break;
+        case 'S': {
+            PyObject *pair = PyTuple_GET_ITEM(values, nv++);
+            PyObject *want = PyTuple_GET_ITEM(pair, 1);
+            if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(pair, 0))
+                return 0;
+            if (a != want) {
+                int eq = PyObject_RichCompareBool(a, want, Py_EQ);
+                if (eq <= 0)
+                    return eq;
+            }
+            break;
+        }
+        case 'V': {
+            PyObject *pair = PyTuple_GET_ITEM(values, nv++);
+            if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(pair, 0))
+                return 0;
+            break;
+        }
+        default:
+            return 0;
+        }
+    }
+    if (nt) {
+        PyObject *ok = PyObject_Vectorcall(PyTuple_GET_ITEM(hit, 3), tensors, nt, NULL);
+        if (ok == NULL)
+            return -1;
+        int yes = ok == Py_True;
+        Py_DECREF(ok);
+        if (!yes)
+            return 0;
+    }
+    PyObject *context = PyTuple_GET_ITEM(hit, 7);
+    if (context != Py_None) {
+        PyObject *got = PyObject_CallNoArgs(context);
+        if (got == NULL)
+            return -1;
+        int same = got == PyTuple_GET_ITEM(hit, 8);
+        Py_DECREF(got);
+        if (!same)
+            return 0;
+    }
+    PyObject *varying = PyTuple_GET_ITEM(hit, 5);
+    if (varying != Py_None) {
+        PyObject *at = PyTuple_GET_ITEM(hit, 6);
+        Py_ssize_t m = PyTuple_GET_SIZE(at);
+        PyObject *picked[MAX_ARGS];
+        for (Py_ssize_t j = 0; j < m; j++)
+            picked[j] = args[PyLong_AsSsize_t(PyTuple_GET_ITEM(at, j))];
+        PyObject *r = PyObject_Vectorcall(varying, picked, m, NULL);  /* raises as the validator would */
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 1;
+}
+
+static PyObject *
+fall_back_after(PyObject *op, PyObject *impl, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    /* impl raised GraftUnsupportedError: hand it to dispatch._fall_back with a tuple and a dict. */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *tuple = PyTuple_New(nargs), *kwargs = PyDict_New(), *result = NULL;
+    if (tuple == NULL || kwargs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SET_ITEM(tuple, i, args[i]);
+    }
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nkw; i++)
+        if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+            goto done;
+    result = PyObject_CallFunctionObjArgs(fall_back, op, impl, value, tuple, kwargs, NULL);
+done:
+    Py_XDECREF(tuple);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return result;  /* (out, impl) */
+}
+
+static PyObject *
+entry(PyObject *const *args, size_t nargsf, PyObject *kwnames, int with_impl)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *slow = with_impl ? slow_run : slow_call;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs < 1 || nargs - 1 + nkw > MAX_ARGS)
+        return PyObject_Vectorcall(slow, args, nargsf, kwnames);
+    PyObject *hits = PyDict_GetItemWithError(table, args[0]);  /* borrowed */
+    if (hits == NULL) {
+        if (PyErr_Occurred())
+            PyErr_Clear();  /* an unhashable op name: the Python entry names the problem */
+        return PyObject_Vectorcall(slow, args, nargsf, kwnames);
+    }
+    if (compiler != Py_None) {  /* torch.compile/export running Python for real: the Python entries */
+        PyObject *flag = PyObject_GetAttr(compiler, str_flag);
+        if (flag == NULL)
+            PyErr_Clear();
+        else {
+            int compiling = flag == Py_True;
+            Py_DECREF(flag);
+            if (compiling)
+                return PyObject_Vectorcall(slow, args, nargsf, kwnames);
+        }
+    }
+    PyObject *impl = NULL;
+    Py_INCREF(hits);  /* the list may be replaced while a hit runs Python code */
+    for (Py_ssize_t h = 0; h < PyList_GET_SIZE(hits); h++) {
+        PyObject *hit = PyList_GET_ITEM(hits, h);
+        Py_INCREF(hit);
+        int m = matches(hit, args + 1, nargs - 1 + nkw, nargs - 1, kwnames);
+        if (m == 1) {
+            impl = PyTuple_GET_ITEM(hit, 9);
+            Py_INCREF(impl);
+        }
+        Py_DECREF(hit);
+        if (m < 0) {
+            Py_DECREF(hits);
+            return NULL;
+        }
+        if (m == 1)
+            break;
+    }
+    Py_DECREF(hits);
+    if (impl == NULL)
+        return PyObject_Vectorcall(slow, args, nargsf, kwnames);
+    PyObject *fn = PyObject_GetAttr(impl, str_fn);
+    if (fn == NULL) {
+        Py_DECREF(impl);
+        return NULL;
+    }
+    PyObject *out = PyObject_Vectorcall(fn, args + 1, nargs - 1, kwnames);
+    Py_DECREF(fn);
+    if (out == NULL) {
+        PyObject *pair = NULL;
+        if (PyErr_ExceptionMatches(unsupported))
+            pair = fall_back_after(args[0], impl, args + 1, nargs - 1, kwnames);
+        Py_DECREF(impl);
+        if (pair == NULL || with_impl)
+            return pair;
+        PyObject *first = PyTuple_GetItem(pair, 0);
+        Py_XINCREF(first);
+        Py_DECREF(pair);
+        return first;
+    }
+    if (!with_impl) {
+        Py_DECREF(impl);
+        return out;
+    }
+    PyObject *pair = PyTuple_Pack(2, out, impl);
+    Py_DECREF(out);
+    Py_DECREF(impl);
+    return pair;
+}
+
+static PyObject *
+fast_call(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    return entry(args, (size_t)nargsf, kwnames, 0);
+}
+
+static PyObject *
+fast_run(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    return entry(args, (size_t)nargsf, kwnames, 1);
+}
+
+static PyObject *
+configure(PyObject *self, PyObject *args)
+{
+    PyObject *t, *sc, *sr, *fb, *exc, *comp;
+    if (!PyArg_ParseTuple(args, "O!OOOOO:configure", &PyDict_Type, &t, &sc, &sr, &fb, &exc, &comp))
+        return NULL;
+    Py_XSETREF(table, Py_NewRef(t));
+    Py_XSETREF(slow_call, Py_NewRef(sc));
+    Py_XSETREF(slow_run, Py_NewRef(sr));
+    Py_XSETREF(fall_back, Py_NewRef(fb));
+    Py_XSETREF(unsupported, Py_NewRef(exc));
+    Py_XSETREF(compiler, Py_NewRef(comp));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(table, slow_call, slow_run, fall_back, unsupported_error, torch_compiler): set once by graft.dispatch"},
+    {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL | METH_KEYWORDS,
+     "call(op, *args, **kwargs): graft.dispatch.call"},
+    {"run", (PyCFunction)(void (*)(void))fast_run, METH_FASTCALL | METH_KEYWORDS,
+     "run(op, *args, **kwargs): graft.dispatch.run"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "graft._fastcall", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__fastcall(void)
+{
+    str_fn = PyUnicode_InternFromString("fn");
+    str_flag = PyUnicode_InternFromString("_is_compiling_flag");
+    if (str_fn == NULL || str_flag == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}
