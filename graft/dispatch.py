@@ -324,24 +324,6 @@ call.__doc__ = """Validate the arguments (the same checks for every backend), th
     """
 
 
-if _fastcall is not None:
-    # The C entries take remembered signatures served by one implementation and hand every
-    # other call to the Python entries above, which stay the definition (and what
-    # torch.compile traces in their place: it cannot look into C).
-    _python_call, _python_run = call, run
-    _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
-                        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
-    call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
-    try:
-        from torch._dynamo import substitute_in_graph
-
-        substitute_in_graph(call, skip_signature_check=True)(_python_call)
-        substitute_in_graph(run, skip_signature_check=True)(_python_run)
-    except Exception as exc:  # a torch without it: compile with the Python entries only
-        log.info("torch.compile cannot trace graft's C entries (%s); using the Python entries", exc)
-        call, run = _python_call, _python_run
-
-
 def _expected_output(spec, args, kwargs):
     """The reference's output shapes and dtypes for these arguments, computed on fake
     tensors (no real work), or None when the reference cannot run on fake tensors (it
@@ -398,3 +380,21 @@ def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):
     log.warning("%s: %s (%s) failed at run time: %s; using %s", op, impl.backend, impl.provider, exc,
                 fallback.backend)
     return fallback.fn(*args, **kwargs), fallback
+
+
+if _fastcall is not None:
+    # The C entries take remembered signatures served by one implementation and hand every
+    # other call to the Python entries above, which stay the definition (and what
+    # torch.compile traces in their place: it cannot look into C).
+    _python_call, _python_run = call, run
+    _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
+                        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
+    call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
+    try:
+        from torch._dynamo import substitute_in_graph
+
+        substitute_in_graph(call, skip_signature_check=True)(_python_call)
+        substitute_in_graph(run, skip_signature_check=True)(_python_run)
+    except Exception as exc:  # a torch without it: compile with the Python entries only
+        log.info("torch.compile cannot trace graft's C entries (%s); using the Python entries", exc)
+        call, run = _python_call, _python_run
