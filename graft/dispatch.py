@@ -14,7 +14,10 @@ remembered (lists, tensor subclasses, NaN scalars).
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -382,19 +385,50 @@ def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):
     return fallback.fn(*args, **kwargs), fallback
 
 
+_python_call, _python_run = call, run
+
+
+def _trace_python_entries() -> None:
+    """torch.compile cannot look into C: have it trace the Python entries in their place."""
+    from torch._dynamo import substitute_in_graph
+
+    substitute_in_graph(_fastcall.call, skip_signature_check=True)(_python_call)
+    substitute_in_graph(_fastcall.run, skip_signature_check=True)(_python_run)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` once module ``name`` has been imported, without importing it (torch._dynamo
+    takes over a second to import: graft must not add that to every process that imports it)."""
+
+    def __init__(self, name: str, then: Callable[[], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_then(module):
+            exec_module(module)
+            self.then()
+
+        loader.exec_module = exec_then  # type: ignore[method-assign]
+        return spec
+
+
 if _fastcall is not None:
     # The C entries take remembered signatures served by one implementation and hand every
     # other call to the Python entries above, which stay the definition (and what
-    # torch.compile traces in their place: it cannot look into C).
-    _python_call, _python_run = call, run
+    # torch.compile traces in their place).
     _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
                         torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
     call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
-    try:
-        from torch._dynamo import substitute_in_graph
-
-        substitute_in_graph(call, skip_signature_check=True)(_python_call)
-        substitute_in_graph(run, skip_signature_check=True)(_python_run)
-    except Exception as exc:  # a torch without it: compile with the Python entries only
-        log.info("torch.compile cannot trace graft's C entries (%s); using the Python entries", exc)
-        call, run = _python_call, _python_run
+    if "torch._dynamo" in sys.modules:
+        _trace_python_entries()
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch._dynamo", _trace_python_entries))

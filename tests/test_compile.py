@@ -81,3 +81,32 @@ def test_env_selection_applies_under_compile(fresh_graft, monkeypatch):
     # the fallback reasons are logged from inside the graph, not lost at trace time
     assert any("graft.selection_log" in t for t in targets)
     torch.testing.assert_close(out, block(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_compile_traces_through_the_c_entries_when_graft_is_imported_first():
+    """graft registers its Python entries with torch.compile when torch._dynamo is imported
+    (later than graft here, as in a script that imports graft and then compiles), without
+    importing torch._dynamo itself."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+import graft.ops.fused as F
+from graft import dispatch
+assert "torch._dynamo" not in sys.modules, "graft imported torch._dynamo"
+x, w = torch.randn(4, 8), torch.randn(8)
+for _ in range(2):
+    F.rms_norm(x, w, 1e-6)  # remembered: the C entry serves it from now on
+assert dispatch._fast_hits["fused.rms_norm"]
+targets = []
+def backend(gm, example_inputs):
+    targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return gm.forward
+f = torch.compile(lambda x, w: F.rms_norm(x, w, 1e-6) * 2, backend=backend, fullgraph=True)
+torch.testing.assert_close(f(x, w), F.rms_norm_reference(x, w, 1e-6) * 2)
+assert any("graft" in t for t in targets), targets
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
