@@ -47,6 +47,7 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         "torch_version": torch.__version__,
         "device": info.as_dict(),
         "triton_interpret": triton_interpret(),
+        "dispatch_entry": _dispatch_entry(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GRAFT_")},
         "unknown_environment": config.unknown_env_vars(known),
         "plugins": [r.as_dict() for r in host.records.values()],
@@ -62,6 +63,15 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         entry.update(family=spec.family, signature=spec.signature, dtype=dtype_name(op_dtype))
         report["ops"].append(entry)
     return report
+
+
+def _dispatch_entry() -> str:
+    from graft import dispatch
+
+    if dispatch.call is not dispatch._python_call:
+        return "C (graft._fastcall): a repeated call costs about a microsecond"
+    return ("Python (graft._fastcall was not built: no C compiler when graft was installed; "
+            "about twice the per-call cost)")
 
 
 def _integrations(host) -> list:
@@ -86,6 +96,7 @@ def render_text(report: dict) -> str:
     d = report["device"]
     lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} generation={d['generation']}"
                  + ("  [TRITON_INTERPRET=1]" if report["triton_interpret"] else ""))
+    lines.append(f"dispatch entry: {report['dispatch_entry']}")
     env = report["environment"]
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "(no GRAFT_* variables set)"))
     for var in report["unknown_environment"]:

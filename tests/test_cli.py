@@ -34,6 +34,7 @@ def test_info_text_shows_reasons_and_environment():
     assert "GRAFT_BACKENDS=torch" in out
     assert "GRAFT_ATENTION is set but nothing reads it" in out
     assert "plugins:" in out and "ops (selected implementation marked '>')" in out
+    assert "dispatch entry: C (graft._fastcall)" in out  # built by ci/setup.sh
 
 
 def test_invalid_env_value_exits_2_with_valid_names():

@@ -468,3 +468,23 @@ def test_c_entry_leaves_strict_mode_and_per_call_checks_to_python(toy, monkeypat
     for _ in range(2):
         assert dispatch.run(OP, x, 3.0)[1].backend == "vendor"
     assert not dispatch._fast_hits.get(OP)  # GRAFT_STRICT=1 verifies every output: Python
+
+
+def test_without_the_c_entries_the_python_entries_serve():
+    """A graft installed without a C compiler: same results, and graft info says so."""
+    code = """
+import sys
+sys.modules["graft._fastcall"] = None  # as if it had not been built: importing it fails
+import torch, graft
+from graft import dispatch, info
+from graft.ops import fused
+assert dispatch._fastcall is None and dispatch.call is dispatch._python_call
+x, w = torch.randn(3, 8), torch.randn(8)
+for _ in range(3):
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm_reference(x, w, 1e-6))
+assert len(dispatch._ops["fused.rms_norm"].hits) == 1 and not dispatch._fast_hits
+print(info._dispatch_entry())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("Python (graft._fastcall was not built")
