@@ -437,6 +437,7 @@ def scenario_active() -> dict:
         _batch_invariant_fallback(layer, checks, calls)
 
     checks.count += _attention_checks(backend_cls, calls)
+    checks.count += _attention_fp8_checks(backend_cls)
     return {"summary": summary, "checks": checks.count}
 
 
@@ -556,6 +557,96 @@ def _attention_checks(backend_cls, calls) -> int:
             count += 1
     assert "attention.decode_paged" in calls, "decode requests must go through graft's attention.decode_paged"
     count += _cuda_graph_checks(backend_cls, builder, impl)
+    return count
+
+
+def _attention_fp8_checks(backend_cls) -> int:
+    """kv_cache_dtype fp8: the write quantises with the layer's scales (saturating), decode
+    reads fp8 pages, prefills attend to the quantised values (fresh ones, or the context
+    gathered and dequantised, counted as a gather); all against a naive softmax(QK^T)V over
+    the dequantised history. Unsupported fp8 formats are refused with the reason."""
+    import types
+
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from graft.adapters.vllm.attention import dequantize_kv, quantize_kv, split_kv_cache
+    from graft.adapters.vllm.integration import counter
+
+    heads, kv_heads, head, block, num_blocks = 4, 2, 16, 4, 24
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    gen = torch.Generator().manual_seed(3)
+    layer = types.SimpleNamespace(_k_scale=torch.tensor(0.5), _v_scale=torch.tensor(2.0))
+    count = 0
+    for kv_name, fp8 in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        for query_lens, seq_lens in (([1, 1, 3, 4], [5, 2, 7, 4]), ([3, 5], [3, 5])):
+            dtype = torch.float32
+            served, gathered = counter.served_calls(), counter.fallbacks().get("attention.prefill_gather", 0)
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head, dtype=torch.uint8)
+            kv_cache = torch.zeros(backend_cls.get_kv_cache_shape(num_blocks, block, kv_heads, head), dtype=torch.uint8)
+            key_bytes, value_bytes = split_kv_cache(kv_cache, head)
+            n_req, total = len(query_lens), sum(query_lens)
+            table = torch.randperm(num_blocks, generator=gen)[: n_req * 3].view(n_req, 3).to(torch.int32)
+            # Keys up to 300 / 0.5 = 600: beyond e4m3's 448, so the write must saturate, not make NaNs.
+            hist_k = [torch.randn(s, kv_heads, head, generator=gen) * 100 for s in seq_lens]
+            hist_v = [torch.randn(s, kv_heads, head, generator=gen) for s in seq_lens]
+            slots = []
+            for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+                for p in range(sl):
+                    b, o = int(table[r, p // block]), p % block
+                    if p < sl - ql:
+                        key_bytes[b, o] = quantize_kv(hist_k[r][p], layer._k_scale, fp8).view(torch.uint8)
+                        value_bytes[b, o] = quantize_kv(hist_v[r][p], layer._v_scale, fp8).view(torch.uint8)
+                    else:
+                        slots.append(b * block + o)
+            key = torch.cat([h[s - q :] for h, s, q in zip(hist_k, seq_lens, query_lens)])
+            value = torch.cat([h[s - q :] for h, s, q in zip(hist_v, seq_lens, query_lens)])
+            query = torch.randn(total, heads, head, generator=gen) * 0.01
+            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                num_reqs=n_req, num_actual_tokens=total, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                block_table_tensor=table, slot_mapping=slot_mapping, causal=True,
+            )
+            with set_current_vllm_config(cfg):
+                impl = backend_cls.get_impl_cls()(num_heads=heads, head_size=head, scale=head**-0.5,
+                                                  num_kv_heads=kv_heads, kv_cache_dtype=kv_name)
+                meta = backend_cls.get_builder_cls()(spec, ["layer.0"], cfg, torch.device("cpu")).build(0, common)
+            impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            assert not kv_cache.view(fp8).float().isnan().any(), "the write must saturate, not make NaNs"
+            output = torch.zeros(total, heads * head, dtype=dtype)
+            impl.forward(layer, query, key, value, kv_cache, meta, output)
+            now = counter.served_calls()
+            new_ops = {k.split(":")[0] for k in now if now[k] != served.get(k, 0)}
+            context = seq_lens != query_lens
+            assert "attention.prefill" in new_ops and "attention.prefill_paged" not in new_ops, now
+            assert ("attention.decode_paged" in new_ops) == context, now
+            assert counter.fallbacks().get("attention.prefill_gather", 0) == gathered + context
+            want = torch.zeros(total, heads, head)
+            t0 = 0
+            for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+                k = dequantize_kv(quantize_kv(hist_k[r], layer._k_scale, fp8), layer._k_scale, dtype)
+                v = dequantize_kv(quantize_kv(hist_v[r], layer._v_scale, fp8), layer._v_scale, dtype)
+                k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+                s = torch.einsum("qhd,khd->hqk", query[t0 : t0 + ql], k) * head**-0.5
+                visible = torch.arange(sl)[None, :] <= torch.arange(ql)[:, None] + (sl - ql)
+                want[t0 : t0 + ql] = torch.einsum("hqk,khd->qhd", s.masked_fill(~visible, -math.inf).softmax(-1), v)
+                t0 += ql
+            _Checks().close(f"GRAFT attention {kv_name} {query_lens}/{seq_lens}", output.view(total, heads, head),
+                            want, 1e-4, 1e-5)
+            count += 1
+    for bad in ("fp8_inc", "int8"):
+        try:
+            with set_current_vllm_config(cfg):
+                backend_cls.get_impl_cls()(num_heads=heads, head_size=head, scale=1.0, kv_cache_dtype=bad)
+        except NotImplementedError as exc:
+            assert f"kv_cache_dtype={bad}" in str(exc), exc
+        else:
+            raise AssertionError(f"kv_cache_dtype={bad} must be refused")
+    assert backend_cls.supports_kv_cache_dtype("fp8") and not backend_cls.supports_kv_cache_dtype("fp8_inc")
     return count
 
 

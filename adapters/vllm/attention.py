@@ -16,9 +16,19 @@ KV cache: vLLM 0.33 hands each layer a logical ``[num_blocks, num_kv_heads, bloc
 without copies. The cache write (a scatter by ``slot_mapping``) is plain torch, without
 host syncs.
 
+fp8 KV cache (``kv_cache_dtype="fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``): vLLM allocates the
+cache as bytes; keys and values are written divided by the layer's per-tensor scales
+(``layer._k_scale`` / ``_v_scale``, device tensors: no host read) and saturated to the fp8
+range, decode reads the pages through ``attention.decode_paged``'s fp8 path, and prefills
+attend to the same quantised values vLLM's own backends attend to: this step's keys and
+values quantised and dequantised when no request has cached context, else the context
+gathered out of the pages and dequantised for ``attention.prefill`` (``attention.prefill_paged``
+reads no fp8 cache: counted as ``fallback.attention.prefill_gather``, the reason logged once).
+
 Scope (refused in ``__init__`` or through the ``supports_*`` hooks, so vLLM chooses
 another backend or says why): decoder self-attention only; no ALiBi, sliding window,
-logits soft-cap, attention sinks, or quantized (fp8) KV cache. CUDA graphs: declared for
+logits soft-cap, attention sinks, or fp8 KV formats other than e4m3fn and e5m2 (ROCm's
+e4m3fnuz, ``fp8_inc``, ``fp8_ds_mla``). CUDA graphs: declared for
 uniform single-token decode batches (``UNIFORM_SINGLE_TOKEN_DECODE``), where the builder
 reads no device tensor on the host and the KV write has no boolean mask; batches with
 prefills run eagerly (their lengths are read on the host once per step).
@@ -60,10 +70,28 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (num_blocks, num_kv_heads, block_size, 2 * head_size)
 
 
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-layer cache -> (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_size] (views)."""
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int, dtype: torch.dtype | None = None):
+    """Per-layer cache -> (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_size] (views),
+    viewed as ``dtype`` if given (an fp8 cache is allocated as bytes)."""
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    if dtype is not None and dtype != kv_cache.dtype:
+        key_cache, value_cache = key_cache.view(dtype), value_cache.view(dtype)
     return key_cache, value_cache
+
+
+# vLLM's kv_cache_dtype names of the fp8 formats graft's ops read.
+FP8_KV_CACHE = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the cache holds for ``x``: ``x / scale``, saturated to the fp8 range (a plain cast
+    would turn an out-of-range value into NaN)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
 
 
 @dataclass
@@ -194,6 +222,18 @@ def _gather_reason(q, key, value, key_cache, value_cache, m, scale) -> str | Non
     return reason
 
 
+def _fp8_cache_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The torch dtype of an fp8 KV cache graft's ops read, or None (not fp8, or a format
+    they do not read: ROCm's e4m3fnuz, which vLLM's "fp8" means on MI300)."""
+    dtype = FP8_KV_CACHE.get(kv_cache_dtype)
+    if dtype is torch.float8_e4m3fn:
+        from vllm.platforms import current_platform
+
+        if current_platform.fp8_dtype() != torch.float8_e4m3fn:
+            return None
+    return dtype
+
+
 class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
     def __init__(
         self,
@@ -217,7 +257,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                 ("sliding window", sliding_window is not None),
                 ("logits soft-cap", bool(logits_soft_cap)),
                 ("attention sinks", sinks is not None),
-                (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype not in ("auto", "float16", "bfloat16")),
+                (f"kv_cache_dtype={kv_cache_dtype}", kv_cache_dtype not in ("auto", "float16", "bfloat16")
+                 and _fp8_cache_dtype(kv_cache_dtype) is None),
                 (f"attn_type={attn_type}", attn_type != AttentionType.DECODER),
             )
             if present
@@ -229,6 +270,7 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = _fp8_cache_dtype(kv_cache_dtype)  # torch dtype of an fp8 cache, else None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
@@ -240,9 +282,12 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         values, so the duplicate is harmless), or, when every token is padding, to rewrite
         slot 0 with what it already holds.
         """
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)  # bytes, for an fp8 cache
         block_size = key_cache.shape[1]
         n = slot_mapping.shape[0]
+        if self.fp8 is not None:
+            key = quantize_kv(key[:n], layer._k_scale, self.fp8).view(torch.uint8)
+            value = quantize_kv(value[:n], layer._v_scale, self.fp8).view(torch.uint8)
         slots = slot_mapping.long()
         keep = slots >= 0
         first = keep.int().argmax().view(1)  # first real token (0 if none), found on the device
@@ -275,9 +320,11 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             return output.fill_(0)
         m = attn_metadata
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.fp8)
         nd = m.num_decode_tokens
+        fp8 = self.fp8 is not None
         if m.num_decodes:
+            scales = (0, layer._k_scale, layer._v_scale) if fp8 else ()
             out[:nd] = counter.run(
                 "attention.decode_paged",
                 query[:nd],
@@ -286,11 +333,23 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                 m.block_table[: m.num_decodes],
                 m.seq_lens[: m.num_decodes],
                 self.scale,
+                *scales,
             )
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
             k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
-            if m.prefill_seq_lens is not None:
+            if fp8 and m.prefill_seq_lens is None:  # attend to what the cache holds, as vLLM's backends do
+                k = dequantize_kv(quantize_kv(k, layer._k_scale, self.fp8), layer._k_scale, q.dtype)
+                v = dequantize_kv(quantize_kv(v, layer._v_scale, self.fp8), layer._v_scale, q.dtype)
+            elif fp8:
+                counter.fallback("attention.prefill_gather", "attention.prefill_paged reads no fp8 KV cache: "
+                                 "the context is gathered out of the pages and dequantised for attention.prefill")
+                blocks, slots = m.gather_index(key_cache.shape[1])
+                # Indexed as bytes: torch's CPU indexing kernels take no fp8 dtype.
+                k = dequantize_kv(key_cache.view(torch.uint8)[blocks, slots].view(self.fp8), layer._k_scale, q.dtype)
+                v = dequantize_kv(value_cache.view(torch.uint8)[blocks, slots].view(self.fp8), layer._v_scale,
+                                  q.dtype)
+            elif m.prefill_seq_lens is not None:
                 reason = _gather_reason(q, k, v, key_cache, value_cache, m, self.scale)
                 if reason is None:
                     out[nd:] = counter.run(
@@ -326,6 +385,8 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
 
 class GraftAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    # fp8 on ROCm's e4m3fnuz platforms is refused in GraftAttentionImpl.__init__, with the reason.
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", *FP8_KV_CACHE]
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
