@@ -50,7 +50,7 @@ def build_models(workdir: str) -> dict:
     return paths
 
 
-def generate(model_path: str, rounds: list, max_tokens: int) -> tuple[list, dict]:
+def generate(model_path: str, rounds: list, max_tokens: int, kv_cache_dtype: str = "auto") -> tuple[list, dict]:
     """Greedy token ids for each round of prompts (one engine), and what graft served in it."""
     from vllm import LLM, SamplingParams
 
@@ -59,7 +59,7 @@ def generate(model_path: str, rounds: list, max_tokens: int) -> tuple[list, dict
     llm = LLM(
         model=model_path, skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
         max_model_len=256, max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=True,
-        worker_extension_cls=WORKER_EXTENSION,
+        worker_extension_cls=WORKER_EXTENSION, kv_cache_dtype=kv_cache_dtype,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     tokens = []
@@ -133,6 +133,12 @@ def main(scenario: str, workdir: str) -> dict:
                 paths[name], [PROMPTS, PREFIX_ROUND], 16)
     if scenario == "off":
         out["bf16 silu_and_mul"] = bf16_silu_and_mul()
+    if scenario.startswith("fp8"):  # an fp8 KV cache: graft's GRAFT backend vs vLLM's CPU_ATTN, both fp8
+        from graft.adapters.vllm.integration import counter
+
+        counter.reset()
+        out["llama"], out["llama served"], out["llama fallbacks"] = generate(
+            paths["llama"], [PROMPTS, PREFIX_ROUND], 16, kv_cache_dtype="fp8")
     if scenario in ("off", "triton"):
         from graft.adapters.vllm.integration import counter
 

@@ -616,7 +616,7 @@ def _attention_fp8_checks(backend_cls) -> int:
                                                   num_kv_heads=kv_heads, kv_cache_dtype=kv_name)
                 meta = backend_cls.get_builder_cls()(spec, ["layer.0"], cfg, torch.device("cpu")).build(0, common)
             impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            assert not kv_cache.view(fp8).float().isnan().any(), "the write must saturate, not make NaNs"
+            assert kv_cache.view(fp8).float().isfinite().all(), "the write must saturate, not make NaNs"
             output = torch.zeros(total, heads * head, dtype=dtype)
             impl.forward(layer, query, key, value, kv_cache, meta, output)
             now = counter.served_calls()
@@ -638,6 +638,13 @@ def _attention_fp8_checks(backend_cls) -> int:
             _Checks().close(f"GRAFT attention {kv_name} {query_lens}/{seq_lens}", output.view(total, heads, head),
                             want, 1e-4, 1e-5)
             count += 1
+        # Out of the format's range (e5m2 has infinities, a plain cast makes them): saturated.
+        big = torch.tensor([1e6, -1e6, 3.0]).repeat(kv_heads, head // 3 + 1)[:, :head].expand(1, kv_heads, head)
+        cache = torch.zeros(backend_cls.get_kv_cache_shape(2, block, kv_heads, head), dtype=torch.uint8)
+        impl.do_kv_cache_update(layer, big, big, cache, torch.tensor([5]))
+        written = split_kv_cache(cache, head, fp8)[0][1, 1].float()
+        limit = torch.finfo(fp8).max
+        assert written.isfinite().all() and written.max() == limit and written.min() == -limit, written
     for bad in ("fp8_inc", "int8"):
         try:
             with set_current_vllm_config(cfg):
