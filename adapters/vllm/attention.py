@@ -322,9 +322,9 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size, self.fp8)
         nd = m.num_decode_tokens
-        fp8 = self.fp8 is not None
+        fp8 = self.fp8
         if m.num_decodes:
-            scales = (0, layer._k_scale, layer._v_scale) if fp8 else ()
+            scales = (0, layer._k_scale, layer._v_scale) if fp8 is not None else ()
             out[:nd] = counter.run(
                 "attention.decode_paged",
                 query[:nd],
@@ -338,17 +338,16 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
             k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
-            if fp8 and m.prefill_seq_lens is None:  # attend to what the cache holds, as vLLM's backends do
-                k = dequantize_kv(quantize_kv(k, layer._k_scale, self.fp8), layer._k_scale, q.dtype)
-                v = dequantize_kv(quantize_kv(v, layer._v_scale, self.fp8), layer._v_scale, q.dtype)
-            elif fp8:
+            if fp8 is not None and m.prefill_seq_lens is None:  # attend to what the cache holds, as vLLM's do
+                k = dequantize_kv(quantize_kv(k, layer._k_scale, fp8), layer._k_scale, q.dtype)
+                v = dequantize_kv(quantize_kv(v, layer._v_scale, fp8), layer._v_scale, q.dtype)
+            elif fp8 is not None:
                 counter.fallback("attention.prefill_gather", "attention.prefill_paged reads no fp8 KV cache: "
                                  "the context is gathered out of the pages and dequantised for attention.prefill")
                 blocks, slots = m.gather_index(key_cache.shape[1])
                 # Indexed as bytes: torch's CPU indexing kernels take no fp8 dtype.
-                k = dequantize_kv(key_cache.view(torch.uint8)[blocks, slots].view(self.fp8), layer._k_scale, q.dtype)
-                v = dequantize_kv(value_cache.view(torch.uint8)[blocks, slots].view(self.fp8), layer._v_scale,
-                                  q.dtype)
+                k = dequantize_kv(key_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._k_scale, q.dtype)
+                v = dequantize_kv(value_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._v_scale, q.dtype)
             elif m.prefill_seq_lens is not None:
                 reason = _gather_reason(q, k, v, key_cache, value_cache, m, self.scale)
                 if reason is None:

@@ -10,9 +10,10 @@ Two measurements per op, each interleaved (medians of per-round differences):
   noise, tens to thousands of us on a shared CPU) drops out, so the difference is what
   graft adds, to a fraction of a microsecond. All ops are stubbed at once and their rounds
   interleaved (op after op, graft and stub back to back): an op's rounds are spread over the
-  whole measurement (several seconds), so a spell in which the shared machine runs at half
-  speed (such spells last a second or two here) slows a minority of an op's rounds, which
-  the median drops, instead of all of them. Measured with value checks off (the GPU
+  whole measurement (a few seconds), so a short spell in which the shared machine runs at
+  half speed slows a minority of an op's rounds, which the median drops, instead of all of
+  them (a spell longer than the measurement slows every op alike: on this 2-core VM, whose
+  host takes back up to a third of its time, figures vary by up to 2x between runs). Measured with value checks off (the GPU
   default: each is a device sync there) and, as ``overhead_with_value_checks_us``, on (the
   CPU default: checks that read tensor values, such as cu_seqlens or expert ids, run on
   every call).
