@@ -14,9 +14,9 @@ Two measurements per op, each interleaved (medians of per-round differences):
   half speed slows a minority of an op's rounds, which the median drops, instead of all of
   them (a spell longer than the measurement slows every op alike: on this 2-core VM, whose
   host takes back up to a third of its time, figures vary by up to 2x between runs).
-  Measured with value checks off (the GPU default: each is a device sync there) and, as ``overhead_with_value_checks_us``, on (the
-  CPU default: checks that read tensor values, such as cu_seqlens or expert ids, run on
-  every call).
+  Measured with value checks off (the GPU default: each is a device sync there) and, as
+  ``overhead_with_value_checks_us``, on (the CPU default: checks that read tensor values,
+  such as cu_seqlens or expert ids, run on every call).
 * ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
   directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
   the kernel's noise.
