@@ -264,7 +264,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "graft._fastcall", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "graft._fastcall", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC
 PyInit__fastcall(void)
