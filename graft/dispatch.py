@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any, Callable
 
 import torch
 
 from graft import config, selection
-from graft.errors import GraftUnsupportedError
+from graft.errors import GraftConfigError, GraftUnsupportedError
 from graft.platform import device_info, dtype_name
 from graft.plugins import get_registry
 from graft.ops._validate import value_checks_on
@@ -421,6 +422,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _c_entries_wanted() -> bool:
+    """GRAFT_DISPATCH_C, read once when graft is imported (the entries are bound then)."""
+    try:
+        return config.parse_bool(DISPATCH_C_VAR, True, environ=os.environ)
+    except GraftConfigError as exc:  # importing graft must not fail on it: say so, keep the default
+        log.warning("%s; using the C entries", exc)
+        return True
+
+
+DISPATCH_C_VAR = config.declare_env_var(
+    "GRAFT_DISPATCH_C", "0: dispatch through the Python entries only (read when graft is imported; for debugging)")
+if _fastcall is not None and not _c_entries_wanted():
+    _fastcall = None
 if _fastcall is not None:
     # The C entries take remembered signatures served by one implementation and hand every
     # other call to the Python entries above, which stay the definition (and what

@@ -70,8 +70,13 @@ def _dispatch_entry() -> str:
 
     if dispatch.call is not dispatch._python_call:
         return "C (graft._fastcall): a repeated call costs about a microsecond"
-    return ("Python (graft._fastcall was not built: no C compiler when graft was installed; "
-            "about twice the per-call cost)")
+    try:
+        import graft._fastcall  # noqa: F401
+    except ImportError:
+        why = "graft._fastcall was not built: no C compiler when graft was installed"
+    else:
+        why = "GRAFT_DISPATCH_C=0"
+    return f"Python ({why}; about twice the per-call cost)"
 
 
 def _integrations(host) -> list:

@@ -488,3 +488,14 @@ print(info._dispatch_entry())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("Python (graft._fastcall was not built")
+    # Switched off for debugging: the same, said so.
+    env = {**os.environ, "GRAFT_DISPATCH_C": "0"}
+    code = code.replace('sys.modules["graft._fastcall"] = None', "")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("Python (GRAFT_DISPATCH_C=0")
+    env["GRAFT_DISPATCH_C"] = "maybe"  # not a boolean: said, and the default kept
+    proc = subprocess.run([sys.executable, "-c", "import graft.dispatch as d; print(d.call is d._python_call)"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+    assert "GRAFT_DISPATCH_C='maybe' is not a boolean" in proc.stderr
