@@ -103,8 +103,6 @@ def engines(tmp_path_factory) -> dict:
     jobs = {
         "off": ([VENV_PYTHON, DRIVER, "off", models], _env(GRAFT_VLLM="0", **in_process)),
         "on": ([VENV_PYTHON, DRIVER, "on", models], _env(GRAFT_BACKENDS="torch", **cpu_attn, **in_process)),
-        "fp8 on": ([VENV_PYTHON, DRIVER, "fp8 on", models], _env(GRAFT_BACKENDS="torch", **cpu_attn, **in_process)),
-        "fp8 off": ([VENV_PYTHON, DRIVER, "fp8 off", models], _env(GRAFT_VLLM="0", **in_process)),
         "triton": ([VENV_PYTHON, DRIVER, "triton", models],
                    _env(GRAFT_BACKENDS="triton,torch", TRITON_INTERPRET="1", **cpu_attn, **in_process)),
         # The README's command line, as a user runs it (multi-process, vLLM's default).
@@ -115,11 +113,8 @@ def engines(tmp_path_factory) -> dict:
     first = _run_all({"models": ([VENV_PYTHON, DRIVER, "models", models], _env())}, work)
     assert first["models"][0] == 0, first["models"][2][-4000:]
     results = _run_all(jobs, work)
-    for name, (code, out, err, seconds) in list(results.items()):
+    for name, (code, out, err, seconds) in results.items():
         print(f"vLLM engine run {name!r}: {seconds:.0f} s")
-        if name == "fp8 off" and code != 0 and "requires x86 with AVX-512" in err:
-            results[name] = (0, json.dumps({"skipped": "vLLM's CPU fp8 KV cache needs AVX-512 or AMX"}), err, seconds)
-            continue
         assert code == 0, f"{name} exited {code}:\n{out[-3000:]}\n{err[-6000:]}"
     parsed = {name: json.loads(out.strip().splitlines()[-1]) for name, (_, out, _, _) in results.items()
               if not name.startswith("example")}
@@ -171,16 +166,16 @@ def test_fp8_kv_cache_in_a_real_engine(engines):
     and graft's each leave the unquantised run's tokens as often). What must agree is each
     prompt's first token, computed by a prefill on the quantised prompt. The values graft
     writes and attends to are checked exactly in tests/test_vllm_integration.py."""
-    on, off = engines["fp8 on"], engines["fp8 off"]
-    assert [len(r) for r in on["llama"]] == [5, 2] and all(len(t) == 16 for r in on["llama"] for t in r)
-    if "skipped" in off:
-        pytest.skip(off["skipped"])
-    assert [[t[0] for t in r] for r in on["llama"]] == [[t[0] for t in r] for r in off["llama"]]
-    served = on["llama served"]
+    on, off = engines["on"], engines["off"]
+    assert [len(r) for r in on["fp8 llama"]] == [5, 2] and all(len(t) == 16 for r in on["fp8 llama"] for t in r)
+    served = on["fp8 llama served"]
     assert {"attention.decode_paged:torch", "attention.prefill:torch"} <= set(served), served
     assert "attention.prefill_paged:torch" not in served  # it reads no fp8 cache: the context is gathered
-    assert on["llama fallbacks"].get("attention.prefill_gather", 0) > 0, on["llama fallbacks"]
-    assert off["llama served"] == {}
+    assert on["fp8 llama fallbacks"].get("attention.prefill_gather", 0) > 0, on["fp8 llama fallbacks"]
+    if "skipped" in off["fp8 llama"]:
+        pytest.skip(off["fp8 llama"]["skipped"])
+    assert [[t[0] for t in r] for r in on["fp8 llama"]] == [[t[0] for t in r] for r in off["fp8 llama"]]
+    assert off["fp8 llama served"] == {}
 
 
 def test_triton_interpreted(engines):
