@@ -90,6 +90,8 @@ class _Op:
                 log.info("%s: argument signatures are not remembered (%s)", name, exc)
 
     def remember(self, recogniser: Recogniser, args, kwargs, plan) -> None:
+        if self.collective and _default_group() is _NOTHING:
+            return  # no group identity to tie the agreement to: agree on every call
         hit = recogniser.hit(args, kwargs, plan)
         if hit is None:
             return
