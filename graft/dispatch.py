@@ -89,9 +89,10 @@ class _Op:
             except (TypeError, ValueError) as exc:
                 log.info("%s: argument signatures are not remembered (%s)", name, exc)
 
-    def remember(self, recogniser: Recogniser, args, kwargs, plan) -> None:
-        if self.collective and _default_group() is _NOTHING:
-            return  # no group identity to tie the agreement to: agree on every call
+    def remember(self, args, kwargs, plan) -> None:
+        recogniser = self.recogniser
+        if recogniser is None or self.collective and _default_group() is _NOTHING:
+            return  # (a collective without a group identity to tie the agreement to agrees on every call)
         hit = recogniser.hit(args, kwargs, plan)
         if hit is None:
             return
@@ -101,14 +102,14 @@ class _Op:
             self.hits[self.next_hit] = hit
             self.next_hit = (self.next_hit + 1) % _MAX_HITS
         if plan.first is not None and _fastcall is not None:
-            self.remember_fast(recogniser, args, kwargs, plan)
+            self.remember_fast(args, kwargs, plan)
 
-    def remember_fast(self, recogniser: Recogniser, args, kwargs, plan) -> None:
+    def remember_fast(self, args, kwargs, plan) -> None:
         """The signature for the C entries (graft/_fastcall.c), which call a plan's one
         unconditional implementation without a Python frame; they match the spelling of
         the call (positional count, keyword names), so each spelling is added when the
         C entry first passes it on."""
-        fast = recogniser.fast_hit(args, kwargs, plan.first)
+        fast = self.recogniser.fast_hit(args, kwargs, plan.first) if self.recogniser is not None else None
         if fast is None:
             return
         fast_hits = _fast_hits.setdefault(self.name, [])
@@ -271,8 +272,8 @@ def _make_entry(with_impl: bool):
                         break
             except TypeError:  # arguments the validator cannot bind: it names the problem
                 plan = None
-            if plan is not None and plan.first is not None and _fastcall is not None and state.recogniser:
-                state.remember_fast(state.recogniser, args, kwargs, plan)  # a spelling the C entry missed
+            if _fastcall is not None and plan is not None and plan.first is not None:
+                state.remember_fast(args, kwargs, plan)  # a spelling the C entry missed
         if plan is None:
             if state.validate is not None:
                 if state.collective:
@@ -286,7 +287,7 @@ def _make_entry(with_impl: bool):
             if plan is None:
                 plan = _plan_for(state, args, kwargs)
             if plan.keep and state.recogniser is not None and not _is_compiling():
-                state.remember(state.recogniser, args, kwargs, plan)
+                state.remember(args, kwargs, plan)
         impl = plan.first
         if impl is not None:
             try:
