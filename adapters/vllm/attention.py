@@ -194,6 +194,9 @@ class GraftAttentionMetadataBuilder(AttentionMetadataBuilder[GraftAttentionMetad
         return meta
 
 
+_FP8_GATHER = ("attention.prefill_paged reads no fp8 KV cache: the context is gathered out of the pages and "
+               "dequantised for attention.prefill")
+
 # Per (device, dtype, heads, head size, config generation): None when attention.prefill_paged
 # serves prefills with context, else why the context is gathered for attention.prefill.
 _gather_reasons: dict = {}
@@ -338,18 +341,9 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
         if m.prefill_cu_seqlens_q is not None:
             q = query[nd : m.num_actual_tokens]
             k, v = key[nd : m.num_actual_tokens], value[nd : m.num_actual_tokens]
-            if fp8 is not None and m.prefill_seq_lens is None:  # attend to what the cache holds, as vLLM's do
-                k = dequantize_kv(quantize_kv(k, layer._k_scale, fp8), layer._k_scale, q.dtype)
-                v = dequantize_kv(quantize_kv(v, layer._v_scale, fp8), layer._v_scale, q.dtype)
-            elif fp8 is not None:
-                counter.fallback("attention.prefill_gather", "attention.prefill_paged reads no fp8 KV cache: "
-                                 "the context is gathered out of the pages and dequantised for attention.prefill")
-                blocks, slots = m.gather_index(key_cache.shape[1])
-                # Indexed as bytes: torch's CPU indexing kernels take no fp8 dtype.
-                k = dequantize_kv(key_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._k_scale, q.dtype)
-                v = dequantize_kv(value_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._v_scale, q.dtype)
-            elif m.prefill_seq_lens is not None:
-                reason = _gather_reason(q, k, v, key_cache, value_cache, m, self.scale)
+            if m.prefill_seq_lens is not None:
+                reason = _FP8_GATHER if fp8 is not None else _gather_reason(q, k, v, key_cache, value_cache, m,
+                                                                            self.scale)
                 if reason is None:
                     out[nd:] = counter.run(
                         "attention.prefill_paged",
@@ -366,7 +360,15 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
                     return output
                 counter.fallback("attention.prefill_gather", reason)
                 blocks, slots = m.gather_index(key_cache.shape[1])
-                k, v = key_cache[blocks, slots], value_cache[blocks, slots]
+                if fp8 is None:
+                    k, v = key_cache[blocks, slots], value_cache[blocks, slots]
+                else:  # indexed as bytes: torch's CPU indexing kernels take no fp8 dtype
+                    k = dequantize_kv(key_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._k_scale, q.dtype)
+                    v = dequantize_kv(value_cache.view(torch.uint8)[blocks, slots].view(fp8), layer._v_scale,
+                                      q.dtype)
+            elif fp8 is not None:  # attend to what the cache holds, as vLLM's backends do
+                k = dequantize_kv(quantize_kv(k, layer._k_scale, fp8), layer._k_scale, q.dtype)
+                v = dequantize_kv(quantize_kv(v, layer._v_scale, fp8), layer._v_scale, q.dtype)
             out[nd:] = counter.run(
                 "attention.prefill",
                 q,
