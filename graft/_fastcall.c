@@ -14,10 +14,12 @@
  *           call matches only with the same shape: other spellings get their own hit)
  * kinds     bytes, one per passed argument: T tensor, N None, S scalar (exact type and
  *           value), V varying scalar (exact type; values checked by `varying`)
- * guard     called with the T arguments in order: True when their metadata match
+ * guard     called with the T arguments in order: True when their metadata match (a T
+ *           argument's is_nested must be False first: torch's check aborts on a nested tensor)
  * values    tuple of (type, value), one per S argument in order
  * varying   None, or called with the arguments at the positions in varying_at
- * context   None, or called with no arguments: must return context_value (identity)
+ * context   None, or called with no arguments: must return the object context_value, a
+ *           weak reference, refers to (identity; a dead reference matches nothing)
  * impl      the Implementation to call (impl.fn is read on each call)
  */
 #define PY_SSIZE_T_CLEAN
@@ -31,7 +33,7 @@ static PyObject *slow_run;
 static PyObject *fall_back;     /* fall_back(op, impl, exc, args, kwargs) -> (out, impl) */
 static PyObject *unsupported;   /* GraftUnsupportedError */
 static PyObject *compiler;      /* torch.compiler (its _is_compiling_flag), or None */
-static PyObject *str_fn, *str_flag;
+static PyObject *str_fn, *str_flag, *str_is_nested;
 
 static int
 matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, PyObject *kwnames)
@@ -59,9 +61,20 @@ matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, Py
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *a = args[i];
         switch (kinds[i]) {
-        case 'T':
+        case 'T': {
+            /* torch's C++ check throws on a nested tensor where Python cannot catch it (an
+             * abort): ask first. Anything without the attribute is no tensor: no match. */
+            PyObject *nested = PyObject_GetAttr(a, str_is_nested);
+            if (nested == NULL) {
+                PyErr_Clear();
+                return 0;
+            }
+            Py_DECREF(nested);
+            if (nested != Py_False)
+                return 0;
             tensors[nt++] = a;
             break;
+        }
         case 'N':
             if (a != Py_None)
                 return 0;
@@ -102,7 +115,10 @@ matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, Py
         PyObject *got = PyObject_CallNoArgs(context);
         if (got == NULL)
             return -1;
-        int same = got == PyTuple_GET_ITEM(hit, 8);
+        PyObject *want = PyTuple_GET_ITEM(hit, 8);  /* a weakref.ref: the group is not kept alive */
+        if (PyWeakref_Check(want))
+            want = PyWeakref_GET_OBJECT(want);  /* borrowed; Py_None once dead */
+        int same = got == want && want != Py_None;
         Py_DECREF(got);
         if (!same)
             return 0;
@@ -271,7 +287,8 @@ PyInit__fastcall(void)
 {
     str_fn = PyUnicode_InternFromString("fn");
     str_flag = PyUnicode_InternFromString("_is_compiling_flag");
-    if (str_fn == NULL || str_flag == NULL)
+    str_is_nested = PyUnicode_InternFromString("is_nested");
+    if (str_fn == NULL || str_flag == NULL || str_is_nested == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

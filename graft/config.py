@@ -13,7 +13,8 @@ Variables (all optional; values are comma-separated, case-insensitive, spaces ig
 ``GRAFT_DISABLE``
     Things to switch off: backend names, family names, op names, or ``all``
     (``all`` makes every op use the torch reference and keeps framework
-    integrations from activating).
+    integrations from activating). ``torch``, the reference, cannot be disabled
+    (an error).
 ``GRAFT_DISABLE_PLUGINS``
     Adapter plugin (entry-point) names not to load.
 ``GRAFT_STRICT``
@@ -206,14 +207,29 @@ def current() -> Snapshot:
 
 
 def reload(_only_if_unread: bool = False) -> Snapshot:
-    """Read the ``GRAFT_*`` variables again (``graft.reload_config()``); cached decisions are dropped."""
+    """Read the ``GRAFT_*`` variables again (``graft.reload_config()``); cached decisions are dropped.
+
+    A reload checks and applies what the first load does (GRAFT_LOG_LEVEL: validated, then
+    set on the ``graft`` logger); an invalid value raises GraftConfigError and the
+    configuration in force stays as it was (nothing is half applied).
+    """
     global _snapshot, _generation
     with _reload_lock:
         if _only_if_unread and _snapshot is not None:
             return _snapshot
+        values = _read_environ()
+        # The first read (from current(), possibly deep in an import) must not raise: the
+        # plugin host validates the level when it loads (configure_logging). An explicit
+        # reload validates it here, before anything changes.
+        level = None if _only_if_unread else _log_level(values.get("GRAFT_LOG_LEVEL"))
         _generation += 1
-        snap = Snapshot(_read_environ(), _generation)
+        snap = Snapshot(values, _generation)
         _snapshot = snap
+    if not _only_if_unread:
+        _apply_log_level(level)
+    # Listeners (selection, dispatch) drop what was built under the old snapshot; dispatch
+    # refuses to keep anything built under an older generation (see graft.dispatch), so no
+    # call in flight in another thread can put a stale plan back after this returns.
     for listener in list(_listeners):
         listener(snap)
     return snap
@@ -231,26 +247,47 @@ def env_snapshot(environ=None) -> tuple:
     return tuple(sorted((k, v) for k, v in environ.items() if k.startswith("GRAFT_")))
 
 
+# Active override() blocks, oldest first: (token, {name: value}). With the values the
+# variables had before the first block that changed them, they say what os.environ must hold
+# whatever order the blocks exit in.
+_overrides: list = []
+_override_base: dict = {}  # name -> value before the oldest active block changing it
+_override_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def override(values: Mapping[str, str | None] | None = None, **variables: str | None) -> Iterator[Snapshot]:
     """Set (or, with ``None``, unset) ``GRAFT_*`` variables for the duration of a ``with`` block.
 
     ``os.environ`` is changed too (child processes see the same settings) and restored on
-    exit; graft's configuration is reloaded on entry and exit. Not thread-safe with
-    respect to other threads changing the same variables.
+    exit; graft's configuration is reloaded on entry and exit. Blocks may exit in any order
+    (two generators, two threads): on exit each variable takes the value of the newest block
+    still active that sets it, else the value it had before the first of them. Changing the
+    same variables in ``os.environ`` by hand inside a block is undone on exit.
     """
     changes = dict(values or {}, **variables)
     for name in changes:
         if not name.startswith("GRAFT_"):
             raise ValueError(f"override() changes GRAFT_* variables only, got {name!r}")
-    saved = {name: os.environ.get(name) for name in changes}
-    try:
+    token = object()
+    with _override_lock:
+        for name in changes:
+            if not any(name in layer for _, layer in _overrides):
+                _override_base[name] = os.environ.get(name)
+        _overrides.append((token, changes))
         for name, value in changes.items():
             _set_env(name, value)
+    try:
         yield reload()
     finally:
-        for name, value in saved.items():
-            _set_env(name, value)
+        with _override_lock:
+            _overrides[:] = [(t, layer) for t, layer in _overrides if t is not token]
+            for name in changes:
+                newest = [layer for _, layer in _overrides if name in layer]
+                if newest:
+                    _set_env(name, newest[-1][name])
+                else:
+                    _set_env(name, _override_base.pop(name, None))
         reload()
 
 
@@ -307,6 +344,14 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
             f"backends ({', '.join(sorted(valid_backends))}), families ({', '.join(sorted(families))}) "
             f"or ops ({', '.join(sorted(ops))})"
         )
+    if REFERENCE_BACKEND in disabled:
+        # The reference is what serves when every other backend is off or declines: it
+        # defines the ops and cannot be switched off (GRAFT_DISABLE=all leaves only it).
+        raise GraftConfigError(
+            f"GRAFT_DISABLE: {REFERENCE_BACKEND!r} is graft's torch reference, which defines every op and "
+            f"serves when nothing else can; it cannot be disabled (GRAFT_DISABLE=all leaves only the reference; "
+            f"to keep graft out of a framework, use its switch, e.g. GRAFT_VLLM=0)"
+        )
     strict = parse_bool("GRAFT_STRICT", False, env)
     return Settings(tuple(global_priority), overrides, frozenset(disabled), strict,
                     "GRAFT_BACKENDS" if raw_global is not None else None)
@@ -319,18 +364,37 @@ def unknown_env_vars(ops: dict[str, str], environ=None) -> list[str]:
     return sorted(k for k in env if k.startswith("GRAFT_") and k not in known)
 
 
-def configure_logging() -> None:
-    level = current().get("GRAFT_LOG_LEVEL")
-    if not level:
-        return
-    numeric = logging.getLevelName(level.strip().upper())
+def _log_level(raw: str | None) -> int | None:
+    """GRAFT_LOG_LEVEL's numeric level (None: unset), or GraftConfigError naming the value."""
+    if raw is None or not raw.strip():
+        return None
+    numeric = logging.getLevelName(raw.strip().upper())
     if not isinstance(numeric, int):
         raise GraftConfigError(
-            f"GRAFT_LOG_LEVEL={level!r} is not a log level; use DEBUG, INFO, WARNING, ERROR or CRITICAL"
+            f"GRAFT_LOG_LEVEL={raw!r} is not a log level; use DEBUG, INFO, WARNING, ERROR or CRITICAL"
         )
+    return numeric
+
+
+_level_set = False  # whether graft set the 'graft' logger's level (a reload without the variable undoes it)
+
+
+def _apply_log_level(numeric: int | None) -> None:
+    global _level_set
     logger = logging.getLogger("graft")
+    if numeric is None:
+        if _level_set:
+            logger.setLevel(logging.NOTSET)
+            _level_set = False
+        return
     logger.setLevel(numeric)
+    _level_set = True
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[graft %(levelname)s] %(message)s"))
         logger.addHandler(handler)
+
+
+def configure_logging() -> None:
+    """Apply GRAFT_LOG_LEVEL from the configuration in force (GraftConfigError when invalid)."""
+    _apply_log_level(_log_level(current().get("GRAFT_LOG_LEVEL")))

@@ -12,6 +12,7 @@ infers the schema from the annotations).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -46,13 +47,66 @@ def _qualname(op) -> str:
     return getattr(op, "_qualname", None) or str(op)
 
 
-def register_backward(op, backward: Callable, setup_context: Callable) -> None:
+def register_backward(op, backward: Callable, setup_context: Callable, *, name: str | None = None) -> None:
     """Register ``op``'s backward with ``torch.library.register_autograd`` and record it,
     so that callers (the Megatron modules, the gradient conformance) know the op trains
     without a reference recompute. ``backward`` should itself call custom ops (with fake
-    impls) so that it traces under ``torch.compile``."""
-    torch.library.register_autograd(_qualname(op), backward, setup_context=setup_context)
-    _WITH_BACKWARD.add(_qualname(op))
+    impls) so that it traces under ``torch.compile``.
+
+    Such a backward is a kernel (or products of gradients the forward saved): it cannot be
+    differentiated again. Under ``create_graph=True`` its gradients are therefore made to
+    raise "no double backward for <op> on <backend>" when differentiated, instead of
+    silently contributing nothing (torch's ``once_differentiable``, with a message that
+    names the op). ``name`` is "<op> on <backend>"; by default it is read from the custom
+    op's name (``graft::loss_fused_linear_cross_entropy_triton``)."""
+    qualname = _qualname(op)
+    described = name or _describe(qualname)
+    op_name = described.split(" ")[0]
+    var = "GRAFT_" + op_name.upper().replace(".", "_")  # graft.config.op_env_var (not imported here)
+    message = (f"no double backward for {described} ({qualname}): its backward is a kernel that cannot be "
+               f"differentiated again; for higher-order gradients select the torch backend "
+               f"({var}=torch) or differentiate the op's reference").encode()
+
+    def backward_once(ctx, *grads):
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return backward(ctx, *grads)
+        # create_graph=True: the double-backward graph is being built.
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        single = not isinstance(outputs, tuple)
+        outputs = (outputs,) if single else outputs
+        defined = [i for i, g in enumerate(outputs) if isinstance(g, torch.Tensor)]
+        if not defined:
+            return outputs[0] if single else outputs
+        from torch._C import _functions
+
+        # The op's inputs go in too, so that differentiating these gradients with respect
+        # to any input reaches the error (rather than "appears to not have been used").
+        inputs = [t for t in (ref() for ref in getattr(ctx, "_graft_inputs", ())) if t is not None]
+        err = _functions.DelayedError(message, len(defined) + len(inputs))
+        wrapped = err(*[outputs[i].detach().requires_grad_(True) for i in defined], *inputs)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        result = list(outputs)
+        for i, g in zip(defined, wrapped):
+            result[i] = g
+        return result[0] if single else tuple(result)
+
+    def setup_and_keep_inputs(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        # Weakly: the forward must not keep its inputs alive for a backward that rarely
+        # builds a graph (one still alive then is what a double backward differentiates).
+        ctx._graft_inputs = tuple(weakref.ref(t) for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)
+
+    torch.library.register_autograd(qualname, backward_once, setup_context=setup_and_keep_inputs)
+    _WITH_BACKWARD.add(qualname)
+
+
+def _describe(qualname: str) -> str:
+    """``graft::fused_rms_norm_triton`` -> ``fused.rms_norm on triton``."""
+    parts = qualname.split("::")[-1].split("_")
+    if len(parts) < 3:
+        return qualname
+    return f"{parts[0]}.{'_'.join(parts[1:-1])} on {parts[-1]}"
 
 
 def has_backward(op) -> bool:

@@ -19,12 +19,13 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable
 
 import torch
 
 from graft import config, selection
-from graft.errors import GraftConfigError, GraftUnsupportedError
+from graft.errors import GraftConfigError, GraftInputError, GraftUnsupportedError
 from graft.platform import device_info, dtype_name
 from graft.plugins import get_registry
 from graft.ops._validate import value_checks_on
@@ -37,6 +38,61 @@ log = logging.getLogger("graft.dispatch")
 
 
 _MAX_HITS = 8  # argument signatures remembered per op (the oldest is replaced past this)
+
+# Reloads and the hot path. A plan and the signatures remembered for it belong to one
+# _Op state, and a state to one configuration: a reload (config.reload, through
+# selection's listener) replaces every state under this lock, and a state inserts into
+# the shared tables (_ops, _fast_hits) only under this lock and only while it is still the
+# current one. A call in flight in another thread during a reload may finish with the
+# implementation it had chosen, but nothing it builds can be served after the reload
+# returns. Taken on first calls of a signature and on reloads only, never on a hit.
+_state_lock = threading.Lock()
+
+
+def _layout_checked(name: str, validate):
+    """The op's validation preceded by the layout check every op shares: dense, strided
+    tensors only. Sparse (COO, CSR, CSC, BSR, BSC), mkldnn and nested tensors are refused
+    with a GraftInputError naming the argument and its layout, before the op's own checks
+    (which read strides) and before the signature is remembered (torch's C++ tensor check
+    cannot be built on them)."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(validate).parameters) if validate is not None else []
+    except (TypeError, ValueError):
+        names = []
+    strided = torch.strided
+
+    def check(args, kwargs):
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor) and (value.layout is not strided or value.is_nested):
+                _bad_layout(name, names[i] if i < len(names) else f"argument {i}", value)
+            elif value.__class__ in (list, tuple):
+                for j, item in enumerate(value):
+                    if isinstance(item, torch.Tensor) and (item.layout is not strided or item.is_nested):
+                        _bad_layout(name, f"{names[i] if i < len(names) else f'argument {i}'}[{j}]", item)
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and (value.layout is not strided or value.is_nested):
+                _bad_layout(name, key, value)
+
+    if validate is None:
+        def checked(*args, **kwargs):
+            check(args, kwargs)
+    else:
+        def checked(*args, **kwargs):
+            check(args, kwargs)
+            validate(*args, **kwargs)
+    checked.__wrapped__ = validate  # type: ignore[attr-defined]
+    return checked
+
+
+def _bad_layout(op: str, arg: str, t: torch.Tensor):
+    if t.is_nested:
+        layout, fix = f"nested ({t.layout})", "unbind() it or call .to_padded_tensor(0)"
+    else:
+        layout, fix = str(t.layout), "call .to_dense() first"
+    raise GraftInputError(f"{op}: {arg} has layout {layout}; graft ops take dense strided tensors "
+                          f"(torch.strided): {fix}")
 
 
 class _Plan:
@@ -69,7 +125,7 @@ class _Op:
     def __init__(self, name: str, spec, remember: bool = True):
         self.name = name
         self.spec = spec
-        self.validate = spec.validate
+        self.validate = _layout_checked(name, spec.validate)
         self.key_arg = spec.key_arg
         self.plans: dict = {}  # (device, dtype) -> _Plan
         # hit functions (graft.signature) of arguments that passed validation, each
@@ -112,12 +168,17 @@ class _Op:
         fast = self.recogniser.fast_hit(args, kwargs, plan.first) if self.recogniser is not None else None
         if fast is None:
             return
-        fast_hits = _fast_hits.setdefault(self.name, [])
-        if len(fast_hits) < _MAX_HITS:
-            fast_hits.append(fast)
-        else:
-            fast_hits[self.next_fast] = fast
-            self.next_fast = (self.next_fast + 1) % _MAX_HITS
+        with _state_lock:
+            # A state a reload replaced (this call was in flight) must not put its
+            # signature into the table the C entry serves from: see _state_lock.
+            if _ops.get(self.name) is not self:
+                return
+            fast_hits = _fast_hits.setdefault(self.name, [])
+            if len(fast_hits) < _MAX_HITS:
+                fast_hits.append(fast)
+            else:
+                fast_hits[self.next_fast] = fast
+                self.next_fast = (self.next_fast + 1) % _MAX_HITS
 
 
 _ops: dict = {}  # op -> _Op
@@ -130,8 +191,10 @@ except ImportError:  # built without a C compiler: the Python entries serve alon
 
 
 def _clear() -> None:
-    _ops.clear()
-    _fast_hits.clear()
+    # In place: graft/_fastcall.c holds _fast_hits itself.
+    with _state_lock:
+        _ops.clear()
+        _fast_hits.clear()
 
 
 selection.on_reset(_clear)
@@ -142,9 +205,20 @@ def _op(op: str) -> _Op:
     if state is None:
         if _is_compiling():  # tracing (no signature is remembered): a throwaway state
             return _Op(op, get_registry().op(op), remember=False)
-        state = _Op(op, get_registry().op(op))
-        _ops[op] = state
+        fresh = _Op(op, get_registry().op(op))
+        with _state_lock:  # another thread may have made one meanwhile: one state per op
+            state = _ops.setdefault(op, fresh)
     return state
+
+
+def _replan(op: str) -> None:
+    """Forget ``op``'s plans and remembered signatures (and selection's decisions for it):
+    its next call plans again with the configuration already loaded. Other ops keep
+    theirs, and nothing is re-read from the environment."""
+    with _state_lock:
+        _ops.pop(op, None)
+        _fast_hits.pop(op, None)
+    selection.forget(op)
 
 
 def _build_plan(state: _Op, device, dtype) -> _Plan:
@@ -270,8 +344,8 @@ def _make_entry(with_impl: bool):
                     plan = hit(*args, **kwargs)
                     if plan is not None:
                         break
-            except TypeError:  # arguments the validator cannot bind: it names the problem
-                plan = None
+            except (TypeError, AttributeError):  # arguments the validator cannot bind (or not
+                plan = None  # a tensor where one was remembered): it names the problem
             if _fastcall is not None and plan is not None and plan.first is not None:
                 state.remember_fast(args, kwargs, plan)  # a spelling the C entry missed
         if plan is None:
@@ -380,7 +454,10 @@ def verify_output(spec, impl: Implementation, out, args, kwargs) -> None:
 def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):
     if impl.backend == config.REFERENCE_BACKEND or config.parse_bool("GRAFT_STRICT", False):
         raise exc
-    selection.reset_caches()
+    # Only this op plans again (the implementation recorded why it cannot serve, so its
+    # static reason now says so), with the configuration in force: no environment read,
+    # other ops' plans, signatures and logged messages stay.
+    _replan(op)
     fallback = select(op, *args, **kwargs)
     if fallback is impl:  # it still claims it can serve: don't loop, report
         raise exc

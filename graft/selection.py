@@ -245,6 +245,21 @@ def reset_caches() -> None:
         listener()
 
 
+def forget(op: str | None = None) -> None:
+    """Drop cached decisions for ``op`` (None: every op) without reading the environment
+    again: an implementation found out at run time that it cannot serve (its static
+    reason now says why), so the next call decides again under the configuration in force.
+    Which messages were logged is kept. With ``op`` None, the caches built on top of
+    selection (dispatch's plans) are dropped too; for one op, dispatch drops its own."""
+    if op is None:
+        _static_cache.clear()
+        for listener in list(_reset_listeners):
+            listener()
+        return
+    for key in [k for k in list(_static_cache) if k[2] == op]:
+        _static_cache.pop(key, None)
+
+
 # Caches built on top of selection (dispatch's per-call plans) register here.
 _reset_listeners: list = []
 

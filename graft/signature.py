@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -114,6 +115,8 @@ class Recogniser:
         for name, value in pairs:
             cls = value.__class__
             if cls in _TENSORS:
+                if value.layout is not torch.strided or value.is_nested:
+                    return None  # torch's tensor check cannot be built on it (a C++ abort)
                 kinds.append("T")
                 tensors.append(value)
             elif value is None:
@@ -146,9 +149,23 @@ class Recogniser:
         factory = self.factories.get(pattern)
         if factory is None:
             factory = self.factories[pattern] = self._factory(pattern)
-        context = self.context() if self.context is not None else None
+        context = self._context_ref()
+        if context is False:
+            return None
         guard = tensor_guard(tuple(tensors)) if tensors else None
         return factory(guard, plan, context, *scalars)
+
+    def _context_ref(self):
+        """A weak reference to the context's current value (None without a context; False
+        when it cannot be referenced weakly): a remembered signature must not keep a
+        destroyed process group alive. Once the value is gone the reference returns None,
+        which no live context is."""
+        if self.context is None:
+            return None
+        try:
+            return weakref.ref(self.context())
+        except TypeError:
+            return False
 
     def fast_hit(self, args: tuple, kwargs: dict, impl) -> tuple | None:
         """The same signature as data for graft._fastcall (its header describes the tuple),
@@ -167,15 +184,17 @@ class Recogniser:
         values = iter(scalars)
         pairs = tuple((k[1], next(values) if k[0] == "S" else None) for k in kinds if isinstance(k, tuple))
         codes = bytes(ord(k if isinstance(k, str) else k[0]) for k in kinds)
-        context = self.context() if self.context is not None else None
+        context = self._context_ref()
+        if context is False:
+            return None
         return (len(args), tuple(kwargs), codes, tensor_guard(tuple(tensors)) if tensors else None, pairs,
                 self.varying, tuple(names.index(n) for n in self.varying_names), self.context, context, impl)
 
     def _factory(self, kinds: tuple) -> Callable:
         """Source for one arrangement of argument kinds, compiled once: the hit function's
         test is a chain of comparisons, no loop."""
-        env: dict = {"_graft_context": self.context, "_graft_varying": self.varying}
-        sig, tests, tensor_names, values = [], [], [], []
+        env: dict = {"_graft_context": self.context, "_graft_varying": self.varying, "_graft_tensor_classes": _TENSORS}
+        sig, tests, tensor_names, tensor_tests, values = [], [], [], [], []
         seen_keyword_only = False
         for param, kind in zip(self.signature.parameters.values(), kinds):
             n = param.name
@@ -189,6 +208,7 @@ class Recogniser:
                 sig.append(f"{n}=_graft_default_{n}")
             if kind == "T":
                 tensor_names.append(n)
+                tensor_tests.append(f"{n}.__class__ in _graft_tensor_classes and not {n}.is_nested")
             elif kind == "N":
                 tests.append(f"{n} is None")
             else:
@@ -199,9 +219,11 @@ class Recogniser:
                     values.append(f"_graft_value_{n}")
                     tests.append(f"{n} == _graft_value_{n}")
         if tensor_names:
-            tests.insert(0, f"_graft_guard({', '.join(tensor_names)})")
+            # Each tensor's own test first: torch's check aborts the process on a nested
+            # tensor (it reads its strides), so those never reach it.
+            tests[:0] = tensor_tests + [f"_graft_guard({', '.join(tensor_names)})"]
         if self.context is not None:
-            tests.append("_graft_context() is _graft_context_value")
+            tests.append("_graft_context() is _graft_context_value()")
         body = f"        if {' and '.join(tests) or 'True'}:\n"
         if self.varying is not None:
             body += f"            _graft_varying({', '.join(self.varying_names)})\n"

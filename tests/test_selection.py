@@ -88,8 +88,11 @@ def test_disable_rejects_unknown_names(host, monkeypatch):
 
 
 def test_torch_reference_cannot_be_disabled_away(host, monkeypatch):
-    monkeypatch.setenv("GRAFT_DISABLE", "torch,fast,vendor")
+    monkeypatch.setenv("GRAFT_DISABLE", "fast,vendor")
     assert pick(host) == "torch"
+    monkeypatch.setenv("GRAFT_DISABLE", "torch,fast,vendor")  # asking for it is an error, not a no-op
+    with pytest.raises(GraftConfigError, match="GRAFT_DISABLE: 'torch' is graft's torch reference.*cannot be disabled"):
+        pick(host)
 
 
 def test_static_reasons_dtype_and_device(host):

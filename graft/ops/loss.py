@@ -87,6 +87,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             scale = (dloss.float() / valid if ctx.reduction == "mean" else dloss.float()).expand(tokens)
         scale = scale.masked_fill(ignored, 0.0)
         need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+        if torch.is_grad_enabled():  # create_graph=True: these gradients will be differentiated
+            return _differentiable_grads(x, weight, bias, safe, scale, need_x, need_w, need_b)
         wf = weight.float()
         bf = None if bias is None else bias.float()
         dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
@@ -111,6 +113,41 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             del d
         return (None if dx is None else dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None,
                 None if db is None else db.to(bias.dtype), None, None)
+
+
+def _differentiable_grads(x, weight, bias, safe, scale, need_x, need_w, need_b):
+    """The same gradients as _ChunkedLinearCrossEntropy.backward, in out-of-place torch ops
+    on the inputs themselves, so that autograd differentiates them again (double backward,
+    ``create_graph=True``): the log-sum-exp is recomputed here rather than read from the
+    forward, which saved it without a graph. Chunked over tokens the same way."""
+    tokens, hidden = x.shape
+    vocab = weight.shape[0]
+    wf = weight.float()
+    bf = None if bias is None else bias.float()
+    chunk = _chunk_rows(tokens, hidden, vocab)
+    dxs, dw, db = [], None, None
+    for start in range(0, tokens, chunk):
+        end = min(start + chunk, tokens)
+        xc = x[start:end].float()
+        logits = xc @ wf.t()
+        if bf is not None:
+            logits = logits + bf
+        onehot = torch.nn.functional.one_hot(safe[start:end], vocab).to(logits.dtype)
+        d = (torch.softmax(logits, dim=-1) - onehot) * scale[start:end, None]
+        if need_x:
+            dxs.append(d @ wf)
+        if need_w:
+            part = d.t() @ xc
+            dw = part if dw is None else dw + part
+        if need_b and bias is not None:
+            part = d.sum(0)
+            db = part if db is None else db + part
+    dx = torch.cat(dxs).to(x.dtype) if need_x and dxs else (torch.zeros_like(x) if need_x else None)
+    if need_w:
+        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+    if need_b and bias is not None:
+        db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
+    return dx, dw, None, db, None, None
 
 
 def fused_linear_cross_entropy_torch(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):

@@ -224,6 +224,6 @@ def load_extension(ahead_of_time: bool = False):
             _State.error = _summarize(exc)
             from graft import selection
 
-            selection.reset_caches()  # cached decisions still think the hip backend is usable
+            selection.forget()  # cached decisions still think the hip backend is usable
             raise GraftUnsupportedError(f"building the graft HIP/CUDA kernels failed: {_State.error}") from exc
         return _State.module

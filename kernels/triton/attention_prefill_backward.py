@@ -257,7 +257,7 @@ def _backward_plain(ctx, dout):
     return dq, dk, dv, None, None, None, None, None, None
 
 
-register_backward(prefill_lse_op, _backward_lse, _setup_lse)
+register_backward(prefill_lse_op, _backward_lse, _setup_lse, name="attention.prefill (with LSE) on triton")
 register_backward(prefill_op, _backward_plain, _setup_plain)
 
 

@@ -287,7 +287,7 @@ def _backward_residual(ctx, dy, dres):
 
 
 register_backward(rms_norm_op, _backward_plain, _setup_plain)
-register_backward(add_rms_norm_op, _backward_residual, _setup_residual)
+register_backward(add_rms_norm_op, _backward_residual, _setup_residual, name="fused.rms_norm (with residual) on triton")
 
 AOT_VARIANTS += [
     variant(_rms_norm_bwd_kernel, dict(HAS_RESIDUAL=residual, HAS_DRES=residual, BLOCK=block, ONE_TILE=one_tile),
