@@ -83,6 +83,7 @@ def _integrations(host) -> list:
     rows = []
     for integration in host.collect("graft_framework_integrations"):
         ok, why = integration.status()
+        layers = integration.layers() if ok else {"served": [], "left": {}, "expected_left": {}}
         rows.append({
             "name": integration.name,
             "framework": integration.distribution,
@@ -92,6 +93,9 @@ def _integrations(host) -> list:
             "reason": why,
             "switch": integration.env_var,
             "description": integration.description,
+            "served": layers["served"],
+            "left_to_framework": layers["left"],
+            "expected_left": layers["expected_left"],
         })
     return rows
 
@@ -121,6 +125,11 @@ def render_text(report: dict) -> str:
         state = "ready" if i["can_activate"] else "off"
         switch = f"  (off with {i['switch']}=0)" if i["switch"] else ""
         lines.append(f"  {i['name']:<18} {state:<9} {i['reason']}{switch}")
+        if i.get("served"):
+            lines.append(f"      serves: {', '.join(i['served'])}")
+        for layer, why in i.get("left_to_framework", {}).items():
+            mark = "! " if layer in i.get("expected_left", {}) else ""
+            lines.append(f"      {mark}left to {i['framework']}: {layer}: {why}")
     if not report["integrations"]:
         lines.append("  (none installed)")
     lines.append("")

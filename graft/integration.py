@@ -46,6 +46,10 @@ class FrameworkIntegration:
     # serve here (disabled by GRAFT_DISABLE, not registered, no implementation) stays the
     # framework's own code, and status() says so.
     needs: dict = field(default_factory=dict)
+    # Layers of the framework graft leaves to it here, beyond the parts whose ops cannot be
+    # served: ``left_out()`` -> ``{layer: (reason, expected)}``; ``expected`` marks a layer a
+    # user would expect graft to serve on this platform (said once at WARNING).
+    left_out: Callable[[], dict] | None = None
 
     def unavailable_parts(self) -> dict:
         """``{part: why}`` for the parts whose needed ops graft cannot serve here."""
@@ -55,6 +59,45 @@ class FrameworkIntegration:
             if reasons:
                 off[part] = "; ".join(reasons)
         return off
+
+    def layers(self) -> dict:
+        """What graft serves in the framework here and what it leaves to the framework:
+        ``{"served": [part...], "left": {layer: reason}, "expected_left": {layer: reason}}``
+        (``expected_left``: the left layers a user would expect graft to serve here)."""
+        off = self.unavailable_parts()
+        left: dict = dict(off)
+        expected: dict = {}
+        try:
+            extra = self.left_out() if self.left_out is not None else {}
+        except Exception as exc:  # a report must not break activation or `graft info`
+            extra = {"(report)": (f"could not list the layers left to {self.distribution}: "
+                                  f"{type(exc).__name__}: {exc}", False)}
+        for layer, (reason, is_expected) in extra.items():
+            left[layer] = reason
+            if is_expected:
+                expected[layer] = reason
+        served = [p for p in self.needs if p not in left]
+        return {"served": served, "left": left, "expected_left": expected}
+
+    def report_layers(self, active: dict | None = None) -> None:
+        """Log at start-up, once per process: at INFO every layer graft serves (``active``:
+        the adapter's own summary, ``{part: status}``) and every layer left to the framework
+        with its reason; one WARNING line when layers a user would expect graft to serve on
+        this platform are left out."""
+        if self.name in _reported:
+            return
+        _reported.add(self.name)
+        layers = self.layers()
+        logger = logging.getLogger(f"graft.integration.{self.name}")
+        served = active if active is not None else {p: "served" for p in layers["served"]}
+        served_text = ", ".join(f"{k} ({v})" for k, v in served.items()
+                                if k not in layers["left"] and not str(v).startswith(("off", "failed"))) or "nothing"
+        left_text = _describe_off(layers["left"]) or "nothing"
+        logger.info("graft: %s integration: served by graft: %s; left to %s: %s",
+                    self.distribution, served_text, self.distribution, left_text)
+        if layers["expected_left"]:
+            logger.warning("graft: %s: left to %s's own code on this platform: %s", self.distribution,
+                           self.distribution, _describe_off(layers["expected_left"]))
 
     def installed_version(self) -> str | None:
         if self.module is None:
@@ -184,6 +227,7 @@ def op_unavailable(op: str) -> str | None:
 
 
 _logged_off: set = set()
+_reported: set = set()  # integrations whose layers were reported (FrameworkIntegration.report_layers)
 
 
 def log_part_off(framework: str, part: str, why: str) -> None:

@@ -130,6 +130,7 @@ def activate() -> bool:
         log.info("graft's DeepSpeed integration is active (accelerator %s, builders %s, comm %s)",
                  current.__class__.__name__, "DeepSpeed's" if "adam" in off else ", ".join(sorted(op_builders.BUILDERS)),
                  "DeepSpeed's" if "comm" in off else "routed")
+        integ.report_layers()  # once: the parts served and those left to DeepSpeed, with reasons
         return True
 
 

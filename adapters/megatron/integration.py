@@ -49,6 +49,7 @@ def enabled() -> bool:
         log.info("graft's Megatron-core integration is off (%s): using Megatron's local spec", why)
         return False
     integ.check_version()
+    integ.report_layers()  # once: the layers graft's spec serves and those left to Megatron
     return True
 
 

@@ -23,6 +23,33 @@ ATTENTION_OVERRIDE_ENV_VAR = config.declare_env_var(
 )
 
 
+def _left_out() -> dict:
+    """Layers of a vLLM model graft leaves to vLLM here: ``{layer: (reason, expected)}``."""
+    import os
+
+    from graft.adapters.vllm.plugin import PARTS, selected_parts
+    from graft.platform import device_info
+
+    left: dict = {}
+    chosen = selected_parts()
+    for part in PARTS:
+        if part not in chosen:
+            left[part] = (f"not in {OPS_ENV_VAR}", False)
+    # Layers graft has no replacement for (by design; counted nowhere, so said here).
+    left["lm_head"] = ("ParallelLMHead keeps vLLM's GEMM (its embedding method is not a linear method graft "
+                       "replaces)", False)
+    left["embedding"] = ("VocabParallelEmbedding is a lookup graft has no op for", False)
+    if "moe" in chosen:
+        left["moe router (GateLinear)"] = ("the MoE router's gate GEMM is vLLM's GateLinear, which picks its "
+                                           "own GEMM (fp32 routers); graft replaces the expert GEMMs only", False)
+    left["quantized linear"] = ("layers with a quantization method keep vLLM's quantized kernels", False)
+    if ("attention" in chosen and device_info().type == "cpu"
+            and not os.environ.get(ATTENTION_OVERRIDE_ENV_VAR, "").strip()):
+        left["attention"] = (f"vLLM's CPU platform always picks CPU_ATTN and ignores --attention-backend; set "
+                             f"{ATTENTION_OVERRIDE_ENV_VAR}=CPU_ATTN to serve it with graft", True)
+    return left
+
+
 def _activate():
     from graft.adapters.vllm.plugin import activate
 
@@ -46,6 +73,7 @@ INTEGRATION = FrameworkIntegration(
         "moe": ("moe.fused_experts",),
         "attention": ("attention.prefill", "attention.decode_paged"),
     },
+    left_out=_left_out,
     notes=[
         "activated by vLLM itself through the vllm.general_plugins entry point 'graft'",
         "select the attention backend with --attention-backend GRAFT (or GRAFT_VLLM_ATTENTION_OVERRIDE)",

@@ -103,7 +103,7 @@ def activate() -> dict:
                 log.warning("graft: could not register %s with vLLM: %s: %s", part, type(exc).__name__, exc)
         _warm_graft_registry()
         _summary = summary
-        log.info("graft: vLLM integration active: %s", ", ".join(f"{k} ({v})" for k, v in summary.items()))
+        INTEGRATION.report_layers(summary)  # INFO: served and left; WARNING: expected parts left out
         return summary
 
 

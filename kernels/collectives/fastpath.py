@@ -115,8 +115,27 @@ def _make_plan(op: str, key, args: tuple) -> Plan:
     if key is not None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
+        _drop_destroyed_groups()
         _plans[key] = plan
     return plan
+
+
+def _drop_destroyed_groups() -> None:
+    """Forget plans made for process groups since destroyed (dist.destroy_process_group):
+    their keys and plans would keep the groups alive. Run when a plan is made (a first
+    call), never on a cached call: a group destroyed and not followed by another first call
+    stays referenced until then."""
+    live = getattr(_world, "pg_map", None) if "_world" in globals() else None
+    if live is None:
+        return
+
+    def dead(part) -> bool:
+        if part.__class__ is tuple:
+            return any(dead(p) for p in part)
+        return isinstance(part, _PG) and part not in live
+
+    for key in [k for k in list(_plans) if any(dead(p) for p in k)]:
+        _plans.pop(key, None)
 
 
 def plan(op: str, *args) -> Plan:
