@@ -251,17 +251,23 @@ GROUPS = {
     "threads": ["env_snapshot_while_other_threads_change_the_environment"],
 }
 
-if __name__ == "__main__":
+
+def main(groups: dict, group: str) -> None:
+    """Run one group's cases, printing START/PASS/FAIL/END (tests/test_reproducers.py reads them)."""
     import traceback
 
     failed = False
-    for case in GROUPS[sys.argv[1]]:
+    for case in groups[group]:
         print(f"START {case}", flush=True)
         try:
-            globals()[f"case_{case}"]()
+            sys.modules["__main__"].__dict__[f"case_{case}"]()
         except Exception:  # noqa: BLE001 - reported per case
             failed = True
             print(f"FAIL {case}\n{traceback.format_exc()}\nEND {case}", flush=True)
         else:
             print(f"PASS {case}", flush=True)
     sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main(GROUPS, sys.argv[1])

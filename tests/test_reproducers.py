@@ -20,6 +20,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _reproducers import GROUPS  # noqa: E402
+from _reproducers_round3 import GROUPS as ROUND3_GROUPS  # noqa: E402
 
 TIMEOUT_S = 300
 
@@ -31,10 +32,19 @@ def _env(extra=None):
     return env
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
-def test_reproducer_group(group):
-    proc = subprocess.run([sys.executable, "-W", "ignore", os.path.join(HERE, "_reproducers.py"), group],
-                          capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
+# (script, group, extra environment): issue #15's groups, then issue #25's (round 3), whose
+# layout group runs once per dispatch entry (GRAFT_DISPATCH_C is read when graft is imported).
+RUNS = ([("_reproducers.py", g, {}) for g in sorted(GROUPS)]
+        + [("_reproducers_round3.py", g, {}) for g in sorted(ROUND3_GROUPS)]
+        + [("_reproducers_round3.py", "layouts", {"GRAFT_DISPATCH_C": "0"})])
+
+
+@pytest.mark.parametrize("script,group,extra", RUNS,
+                         ids=[f"{s.split('.')[0]}-{g}{'-python_entry' if e else ''}" for s, g, e in RUNS])
+def test_reproducer_group(script, group, extra):
+    groups = GROUPS if script == "_reproducers.py" else ROUND3_GROUPS
+    proc = subprocess.run([sys.executable, "-W", "ignore", os.path.join(HERE, script), group],
+                          capture_output=True, text=True, env=_env(extra), timeout=TIMEOUT_S)
     found, current = {}, None
     for line in proc.stdout.splitlines():
         if line.startswith("START "):
@@ -47,7 +57,7 @@ def test_reproducer_group(group):
     if current is not None:
         found[current] = f"the process died in this case (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     bad = {c: found.get(c, f"not reached (exit {proc.returncode}): {proc.stderr[-1500:]}")
-           for c in GROUPS[group] if found.get(c) != "PASS"}
+           for c in groups[group] if found.get(c) != "PASS"}
     assert not bad, "\n".join(f"--- {c}: {why}" for c, why in bad.items())
 
 
