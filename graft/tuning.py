@@ -135,6 +135,11 @@ def bucket(op: str, args: tuple, kwargs: dict | None = None) -> str:
     return " ".join(parts)
 
 
+def _tokens_of(bucket_key: str) -> int:
+    head = bucket_key.split(" ", 1)[0]
+    return int(head[3:]) if head.startswith("t<=") and head[3:].isdigit() else -1
+
+
 def without_tokens(bucket_key: str) -> str:
     """The bucket with its token count left out (batch-invariant lookups)."""
     return bucket_key.split(" ", 1)[1] if bucket_key.startswith("t<=") and " " in bucket_key else bucket_key
@@ -423,7 +428,8 @@ def report(device_type: str | None = None) -> dict:
     for table in found:
         if not table.used:
             continue
-        for (op, dtype, bucket_key), entry in sorted(table.entries.items()):
+        for (op, dtype, bucket_key), entry in sorted(table.entries.items(), key=lambda kv: (
+                kv[0][0], kv[0][1], without_tokens(kv[0][2]), _tokens_of(kv[0][2]))):
             if (op, dtype, bucket_key) in seen:  # an earlier table's entry wins
                 continue
             seen.add((op, dtype, bucket_key))
