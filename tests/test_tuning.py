@@ -346,3 +346,24 @@ def test_tune_rejects_bad_input(tmp_path, fresh_graft, capsys):
     assert "--tokens 'a': give comma-separated token counts" in capsys.readouterr().err
     assert main(["tune", "--model", str(tmp_path)]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_each_framework_registers_its_own_code(fresh_graft):
+    from graft import dispatch
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    frameworks = {op: {i.backend for i in registry.implementations(op) if i.framework}
+                  for op in ("fused.rms_norm", "fused.silu_and_mul", "fused.rotary_embedding", "gemm.linear")}
+    assert frameworks == {"fused.rms_norm": {"vllm", "megatron"}, "fused.silu_and_mul": {"vllm"},
+                          "fused.rotary_embedding": {"vllm"}, "gemm.linear": {"vllm", "megatron"}}
+    framework_backend.enable("megatron")
+    try:
+        x, w = torch.randn(5, 32), torch.randn(32)
+        out, impl = dispatch.run("fused.rms_norm", x, w, 1e-6)
+        assert impl.backend == "megatron"
+        torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (32,), w, 1e-6))
+        _, impl = dispatch.run("fused.rms_norm", x, w, 1e-6, torch.randn(5, 32))
+        assert impl.backend != "megatron"  # no fused residual add in Megatron's norm: graft's serves
+    finally:
+        framework_backend.disable("megatron")
