@@ -367,3 +367,26 @@ def test_each_framework_registers_its_own_code(fresh_graft):
         assert impl.backend != "megatron"  # no fused residual add in Megatron's norm: graft's serves
     finally:
         framework_backend.disable("megatron")
+
+
+@pytest.mark.slow
+def test_deepspeeds_fused_adam_is_backend_deepspeed(fresh_graft):
+    """DeepSpeed's FusedAdam as DeepSpeed builds it (a JIT C++ build on the CPU, minutes the
+    first time, cached after) serves fused.adam_step as backend deepspeed, matching graft's."""
+    pytest.importorskip("deepspeed")
+    from graft import dispatch
+    from graft.ops.fused import adam_step_reference
+
+    framework_backend.enable("deepspeed")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        p, g, m, v = (torch.randn(1000, generator=gen) for _ in range(4))
+        v = v.abs()
+        args = (p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 3, 0.01, True, True)
+        out, impl = dispatch.run("fused.adam_step", *args)
+        assert impl.backend == "deepspeed", impl
+        for got, want in zip(out, adam_step_reference(*args)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, torch.randn(1000, generator=torch.Generator().manual_seed(0)))  # inputs untouched
+    finally:
+        framework_backend.disable("deepspeed")
