@@ -156,6 +156,12 @@ def test_table_moves_graft_first_per_bucket(tmp_path, toy, monkeypatch):
     from graft import dispatch
 
     assert dispatch.select(OP, torch.randn(12, 64)).backend == "torch"
+    # The tuned choice is made before the signature is remembered: a repeated call hits the
+    # remembered signature, which returns the bucket's plan (no table lookup on the hot path).
+    state = dispatch._ops[OP]
+    x = torch.randn(10, 64)
+    plans = [p for p in (hit(x) for hit in state.hits) if p is not None]
+    assert plans and plans[0].impls[0].backend == "torch" and plans[0].tune is None
 
 
 def test_explicit_variable_wins_over_the_table(tmp_path, toy, monkeypatch):
