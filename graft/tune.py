@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from graft import tuning
+from graft import framework_backend, tuning
 from graft.errors import GraftConfigError
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -230,6 +230,16 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
         variants[backend] = (lambda fn=impl.fn: fn(*args))
     if not variants:
         return None
+    unmeasured = {i.backend: rejected.get(i.backend) or "cannot serve this shape here" for i in registry.implementations(op)
+                  if i.framework and framework_backend.enabled(i.framework) and i.backend not in variants}
+    if unmeasured and not any(usable[b].framework for b in variants):
+        # The framework's own code cannot be called here with the op's arguments: graft is not
+        # known faster, so the framework keeps the bucket (the integration leaves it alone).
+        backend, why = sorted(unmeasured.items())[0]
+        return {"op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
+                "tokens": _tokens(spec, args), "backend": backend, "provider": backend, "providers": {},
+                "ratio": None, "median_us": {}, "spread": {}, "rejected": rejected,
+                "note": f"{backend}'s own code could not be measured here ({why}); graft is not known faster"}
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     once = _time_once(variants, sync)
     inner = max(1, min(500, int(1e-3 / max(once, 1e-7))))  # ~1 ms a sample: stalls average out
@@ -245,7 +255,7 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
     ratio = timings.ratio(others[0], winner) if others else None
     return {
         "op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
-        "tokens": int(args[spec.key_arg].shape[0]) if isinstance(args[spec.key_arg], torch.Tensor) else None,
+        "tokens": _tokens(spec, args),
         "backend": winner, "provider": usable[winner].provider,
         "providers": {b: usable[b].provider for b in variants},
         "ratio": None if ratio is None else round(ratio, 4),
@@ -255,6 +265,11 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
         "rounds": rounds, "inner": inner,
         "rejected": rejected,
     }
+
+
+def _tokens(spec, args):
+    key = args[spec.key_arg] if len(args) > spec.key_arg else None
+    return int(key.shape[0]) if isinstance(key, torch.Tensor) and key.dim() else None
 
 
 def _time_once(variants: dict, sync) -> float:
@@ -378,7 +393,7 @@ def run(args) -> int:
         entries = [e for e in entries if (e["op"], e["dtype"], e["bucket"]) != key] + [entry]
         done.add(key)
         write_table(out, device_desc, here_versions, entries, source)
-        times = ", ".join(f"{b} {us:.1f} us" for b, us in entry["median_us"].items())
+        times = ", ".join(f"{b} {us:.1f} us" for b, us in entry["median_us"].items()) or entry.get("note", "")
         ratio = f" ({entry['ratio']:.2f}x)" if entry["ratio"] else ""
         print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: {times} -> {entry['backend']}{ratio}; "
               f"about {left:.0f} s left", flush=True)

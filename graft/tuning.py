@@ -435,7 +435,7 @@ def report(device_type: str | None = None) -> dict:
             seen.add((op, dtype, bucket_key))
             ops.setdefault(op, []).append({
                 "dtype": dtype, "bucket": bucket_key, "backend": entry["backend"], "ratio": entry.get("ratio"),
-                "median_us": entry.get("median_us", {}), "table": table.source})
+                "median_us": entry.get("median_us", {}), "note": entry.get("note"), "table": table.source})
     return {
         "variable": TABLE_VAR,
         "batch_invariant": invariant(),
@@ -448,7 +448,9 @@ def report(device_type: str | None = None) -> dict:
 def describe(row: dict) -> str:
     """One table row as ``graft info`` prints it: "served by vllm (faster here by 1.31x)"."""
     ratio = row.get("ratio")
-    if isinstance(ratio, (int, float)) and math.isfinite(ratio):
+    if row.get("note"):
+        how = row["note"]
+    elif isinstance(ratio, (int, float)) and math.isfinite(ratio):
         others = [b for b in row.get("median_us", {}) if b != row["backend"]]
         than = f" than {others[0]}" if len(others) == 1 else ""
         how = (f"faster here by {ratio:.2f}x{than}" if ratio >= 1 else

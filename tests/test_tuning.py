@@ -396,3 +396,29 @@ def test_deepspeeds_fused_adam_is_backend_deepspeed(fresh_graft):
         assert torch.equal(p, torch.randn(1000, generator=torch.Generator().manual_seed(0)))  # inputs untouched
     finally:
         framework_backend.disable("deepspeed")
+
+
+def test_tune_keeps_the_framework_where_its_code_cannot_be_measured(tmp_path, fresh_graft, capsys, monkeypatch):
+    """vLLM's CPU linear is prepacked per layer: no op-level stand-in races graft's; the bucket
+    is recorded as the framework's (graft not known faster), so the integration leaves it alone."""
+    from graft.plugins import get_host
+
+    class GpuOnly:
+        @hookimpl
+        def graft_framework_implementations(self):
+            return [framework_backend.implementation(FW, OP, lambda x: x, devices=("cuda",))]
+
+    get_host().register(GpuOnly(), "toyfw-plugin")
+    framework_backend.enable(FW)
+    try:
+        shapes = tmp_path / "shapes.json"
+        shapes.write_text(json.dumps({"format": tuning.SHAPES_FORMAT, "shapes": [
+            {"op": OP, "dtype": "float32", "args": [{"shape": [4, 64]}]}]}))
+        out = tmp_path / "t.json"
+        assert _tune(tmp_path, "--shapes", str(shapes), "--rounds", "2", "--frameworks", "", "--out", str(out)) == 0
+        (entry,) = json.loads(out.read_text())["entries"]
+        assert entry["backend"] == FW and entry["ratio"] is None and "could not be measured here" in entry["note"]
+        monkeypatch.setenv("GRAFT_TUNING_TABLE", str(out))
+        assert tuning.graft_wanted(OP) is None
+    finally:
+        framework_backend.disable(FW)

@@ -68,9 +68,7 @@ def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
 
 
 def linear(x, weight, bias=None, activation="none"):
-    """vLLM's default unquantized GEMM (``default_unquantized_gemm``: torch.nn.functional.linear).
-    On the CPU vLLM's layers run a prepacked oneDNN GEMM instead, which needs the layer: the
-    integration leaves those layers as vLLM built them unless graft is known faster."""
+    """vLLM's default unquantized GEMM (``default_unquantized_gemm``: torch.nn.functional.linear)."""
     if activation != "none":
         raise ValueError(f"vLLM's unquantized GEMM has no fused activation (got {activation!r})")
     return torch.nn.functional.linear(x, weight, bias)
@@ -109,8 +107,12 @@ def implementations() -> list:
         implementation(FRAMEWORK, "fused.rotary_embedding", rotary_embedding,
                        "vLLM's RotaryEmbedding (_C rotary_embedding, in place on copies)",
                        available=_rotary_available),
+        # Not on the CPU: there vLLM's linear layers run a GEMM prepacked per layer (oneDNN),
+        # which a call with the op's arguments cannot reproduce; graft tune then records vLLM's
+        # own code as the winner (graft is not known faster) instead of racing a stand-in.
         implementation(FRAMEWORK, "gemm.linear", linear,
-                       "vLLM's default unquantized GEMM (torch.nn.functional.linear)", check=_linear_check),
+                       "vLLM's default unquantized GEMM (torch.nn.functional.linear)", check=_linear_check,
+                       devices=("cuda",)),
     ]
 
 
