@@ -327,13 +327,18 @@ def test_tune_quick_end_to_end_and_resume(tmp_path, fresh_graft, capsys, monkeyp
     assert len(collect(device="cpu", ops=[OP])["tuning"]["ops"][OP]) == 2
 
 
-def test_tune_from_recorded_shapes_with_a_competing_framework(tmp_path, toy, capsys):
+def _tune_one_shape(tmp_path) -> dict:
+    """graft tune on a recorded-shapes file of one silu_and_mul shape; the table written."""
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"format": tuning.SHAPES_FORMAT, "shapes": [
         {"op": OP, "dtype": "float32", "args": [{"shape": [4, 64]}]}]}))
     out = tmp_path / "t.json"
     assert _tune(tmp_path, "--shapes", str(shapes), "--rounds", "3", "--frameworks", "", "--out", str(out)) == 0
-    (entry,) = json.loads(out.read_text())["entries"]
+    return json.loads(out.read_text())
+
+
+def test_tune_from_recorded_shapes_with_a_competing_framework(tmp_path, toy, capsys):
+    (entry,) = _tune_one_shape(tmp_path)["entries"]
     assert FW in entry["median_us"] and "torch" in entry["median_us"]
     assert entry["backend"] in entry["median_us"] and entry["ratio"] > 0
 
@@ -411,14 +416,9 @@ def test_tune_keeps_the_framework_where_its_code_cannot_be_measured(tmp_path, fr
     get_host().register(GpuOnly(), "toyfw-plugin")
     framework_backend.enable(FW)
     try:
-        shapes = tmp_path / "shapes.json"
-        shapes.write_text(json.dumps({"format": tuning.SHAPES_FORMAT, "shapes": [
-            {"op": OP, "dtype": "float32", "args": [{"shape": [4, 64]}]}]}))
-        out = tmp_path / "t.json"
-        assert _tune(tmp_path, "--shapes", str(shapes), "--rounds", "2", "--frameworks", "", "--out", str(out)) == 0
-        (entry,) = json.loads(out.read_text())["entries"]
+        (entry,) = _tune_one_shape(tmp_path)["entries"]
         assert entry["backend"] == FW and entry["ratio"] is None and "could not be measured here" in entry["note"]
-        monkeypatch.setenv("GRAFT_TUNING_TABLE", str(out))
+        monkeypatch.setenv("GRAFT_TUNING_TABLE", str(tmp_path / "t.json"))
         assert tuning.graft_wanted(OP) is None
     finally:
         framework_backend.disable(FW)

@@ -105,15 +105,15 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         args, kwargs = case.inputs("cpu", dtype)
         impl = graft.select(op, *args, **kwargs)
         direct = impl.fn
-        variants = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs)}
+        calls: dict = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs)}
         public = public_entry(op)
         if public is not None:
-            variants["public"] = lambda: public(*args, **kwargs)
+            calls["public"] = lambda: public(*args, **kwargs)
         framework = None if collectives else framework_call(op, args, kwargs)
         if framework is not None:
-            variants["framework"] = framework[1]
+            calls["framework"] = framework[1]
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            real = interleaved(variants, rounds=rounds, inner=inner, sync=sync)
+            real = interleaved(calls, rounds=rounds, inner=inner, sync=sync)
             output = direct(*args, **kwargs)
         progress(f"  {op:32s} real call measured")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
