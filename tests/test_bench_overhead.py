@@ -21,6 +21,7 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
         assert isinstance(row[key], float) and row[key] == row[key], (key, row)
     assert row["direct_us"] > 0 and row["graft_us"] > 0
     assert -row["direct_us"] < row["overhead_us"] < row["graft_us"] + row["direct_us"]
+    assert data["custom_op"]["dispatcher_us"] > data["custom_op"]["graft_us"]  # graft skips the dispatcher eagerly
     adam = data["adam"]
     assert adam["numel"] == 65536 and adam["torch_us"] > 0 and adam["graft_us"] > 0
     assert 0 < adam["ratio"] < 100 and 0 < adam["functional_ratio"] < 100

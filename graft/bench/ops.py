@@ -86,6 +86,26 @@ def framework_call(op: str, args, kwargs):
     return None
 
 
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def custom_op_cost(rounds: int, inner: int) -> dict:
+    """What a ``torch.ops.graft.*`` custom op costs an eager call: through torch's dispatcher,
+    and as graft's op objects call it (directly where nothing needs the dispatcher: see
+    ``graft.custom_ops``), each against the plain function (us a call)."""
+    from graft.custom_ops import define_op
+
+    op = getattr(custom_op_cost, "op", None)
+    if op is None:
+        op = custom_op_cost.op = define_op("bench_custom_op_probe", _probe, fake=_probe)  # type: ignore[attr-defined]
+    x = torch.randn(8)
+    overload = torch.ops.graft.bench_custom_op_probe.default
+    t = interleaved({"dispatcher": lambda: overload(x), "graft": lambda: op(x), "plain": lambda: _probe(x)},
+                    rounds=rounds, inner=inner)
+    return {"dispatcher_us": t.difference("dispatcher", "plain") * 1e6, "graft_us": t.difference("graft", "plain") * 1e6}
+
+
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
             stub_rounds: int = 301, stub_inner: int = 100) -> list:
     import graft

@@ -120,6 +120,9 @@ def run(args) -> int:
         only = set(args.ops.split(",")) if args.ops else None
         results["ops"] = ops.measure(rounds=15 if quick else 50, inner=20 if quick else 50, progress=progress,
                                      only=only)
+        results["custom_op"] = ops.custom_op_cost(rounds=51 if quick else 201, inner=100)
+        progress(f"  custom-op wrapper, eager: through torch's dispatcher +{results['custom_op']['dispatcher_us']:.2f} us,"
+                 f" as graft calls it +{results['custom_op']['graft_us']:.2f} us (over the plain function)")
     if "adam" in sections:
         from graft.bench import adam
 
