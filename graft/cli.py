@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "conformance": ("graft.conformance.cli", "check implementations against their baselines and write a report"),
     "patches": ("graft.patches.cli", "generate and check upstream-contribution patches"),
     "bench": ("graft.bench.overhead", "measure graft's own overhead against the frameworks without it"),
+    "tune": ("graft.tune", "measure graft's implementations against the framework's own on this device; write a tuning table"),
     "bench-kernels": ("graft.kernels.bench", "time graft's kernels against library baselines on model shapes"),
 }
 

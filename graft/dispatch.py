@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from graft import config, selection
+from graft import config, selection, tuning
 from graft.errors import GraftConfigError, GraftInputError, GraftUnsupportedError
 from graft.platform import device_info, dtype_name
 from graft.plugins import get_registry
@@ -99,7 +99,7 @@ class _Plan:
     """What serves one (op, device, dtype): statically usable impls in order, and the
     argument signatures that already passed the op's validation."""
 
-    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep")
+    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep", "tune")
 
     def __init__(self, impls, error, source, requested, strict, missing, keep):
         self.impls = impls  # tuple of Implementation, ending at the first one without a check
@@ -113,6 +113,8 @@ class _Plan:
         self.missing = missing
         # Whether argument signatures that pass validation may be remembered (_Op.hits).
         self.keep = keep
+        # graft.tuning.PlanTuner: the plan of each tuned shape bucket (None: no table entry).
+        self.tune = None
 
 
 class _Op:
@@ -257,6 +259,9 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
     else:
         keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
     plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep)
+    if error is None and not requested:  # a GRAFT_* variable's order is never tuned away
+        plan.tune = tuning.tuner(op, device_type, dtype, plan, [c.impl for c in static if c.reason is None],
+                                 lambda impls: _Plan(impls, None, source, requested, strict, missing, keep))
     state.plans[(device, dtype)] = plan
     return plan
 
@@ -305,7 +310,10 @@ def _plan_for(state: _Op, args, kwargs) -> _Plan:
 
 def select(op: str, *args, **kwargs) -> Implementation:
     """The implementation that would serve ``op(*args, **kwargs)`` (runs per-call checks, not the op)."""
-    return _choose(op, _plan_for(_op(op), args, kwargs), args, kwargs)
+    plan = _plan_for(_op(op), args, kwargs)
+    if plan.tune is not None and not _is_compiling():
+        plan = plan.tune.plan(op, args, kwargs)
+    return _choose(op, plan, args, kwargs)
 
 
 _NOTHING = object()  # a context no remembered signature shares
@@ -360,6 +368,8 @@ def _make_entry(with_impl: bool):
                 plan = state.plans.get((tensor.device, tensor.dtype))
             if plan is None:
                 plan = _plan_for(state, args, kwargs)
+            if plan.tune is not None and not _is_compiling():  # a tuning table's choice for this shape
+                plan = plan.tune.plan(op, args, kwargs)
             if plan.keep and state.recogniser is not None and not _is_compiling():
                 state.remember(args, kwargs, plan)
         impl = plan.first

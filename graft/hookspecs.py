@@ -52,6 +52,27 @@ def graft_framework_integrations() -> list:
 
 
 @hookspec
+def graft_framework_implementations() -> list:
+    """Return :class:`graft.registry.Implementation` objects running a framework's OWN code for
+    the graft ops its integration replaces (build them with
+    :func:`graft.framework_backend.implementation`): the backend is named after the framework
+    (``vllm``, ``deepspeed``, ``megatron``, ``torchtitan``...). They compete with graft's
+    backends like any other: selection ranks them first where no ``GRAFT_*`` variable sets the
+    order and no tuning table (``graft tune``) says another backend is faster, so graft steps
+    aside where it does not know it wins. They serve only in a process where the framework's
+    integration enabled them (:func:`graft.framework_backend.enable`, from its ``activate``)
+    or ``graft tune`` measures them."""
+
+
+@hookspec
+def graft_tuning_tables() -> list:
+    """Return tuning tables a plugin ships (paths to JSON files, or the parsed dicts) in the
+    format of :mod:`graft.tuning`, as vLLM ships fused_moe configs: a vendor's measured
+    choices for its devices. A table whose device or versions differ from this machine's is
+    ignored (``graft info`` says why); ``GRAFT_TUNING_TABLE`` files take precedence."""
+
+
+@hookspec
 def graft_conformance_cases(registry) -> list:
     """Return extra conformance cases (see ``graft.conformance``) for ops this adapter serves."""
 

@@ -53,6 +53,7 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         "plugins": [r.as_dict() for r in host.records.values()],
         "hook_errors": list(host.hook_errors),
         "integrations": _integrations(host),
+        "tuning": _tuning(device),
         "ops": [],
     }
     for name in wanted:
@@ -63,6 +64,30 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         entry.update(family=spec.family, signature=spec.signature, dtype=dtype_name(op_dtype))
         report["ops"].append(entry)
     return report
+
+
+def _tuning(device) -> dict:
+    from graft import tuning
+
+    return tuning.report(device.type)
+
+
+def _render_tuning(report: dict) -> list:
+    from graft.tuning import describe
+
+    tuning = report.get("tuning") or {}
+    lines = ["tuning tables (graft tune; dispatch reads them when it builds a plan):"]
+    if tuning.get("error"):
+        lines.append(f"  ! {tuning['error']}")
+    for t in tuning.get("tables", []):
+        state = "used" if t["used"] else f"ignored: {t['ignored']}"
+        lines.append(f"  {t['source']}  ({t['entries']} entries)  {state}")
+    if not tuning.get("tables"):
+        lines.append(f"  (none: set {tuning.get('variable', 'GRAFT_TUNING_TABLE')}=FILE; without a table the framework's "
+                     "own code serves where it can, graft's elsewhere)")
+    if tuning.get("batch_invariant"):
+        lines.append("  batch-invariant mode: one backend per shape for every token count")
+    return lines
 
 
 def _dispatch_entry() -> str:
@@ -101,6 +126,8 @@ def _integrations(host) -> list:
 
 
 def render_text(report: dict) -> str:
+    from graft.tuning import describe
+
     lines = [f"graft {report['graft_version']}  (torch {report['torch_version']})"]
     d = report["device"]
     lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} generation={d['generation']}"
@@ -133,6 +160,8 @@ def render_text(report: dict) -> str:
     if not report["integrations"]:
         lines.append("  (none installed)")
     lines.append("")
+    lines.extend(_render_tuning(report))
+    lines.append("")
     lines.append("ops (selected implementation marked '>'):")
     for op in report["ops"]:
         selected = op["selected"]
@@ -152,6 +181,8 @@ def render_text(report: dict) -> str:
             lines.append(f"    {mark} {c['backend']:<10} ({c['provider']}) {status}")
         if selected is None:
             lines.append("    ! nothing can serve this op here")
+        for row in (report.get("tuning") or {}).get("ops", {}).get(op["op"], []):
+            lines.append(f"    tuned [{row['dtype']}] {row['bucket']}: {describe(row)}  (table {row['table']})")
     return "\n".join(lines)
 
 

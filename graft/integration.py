@@ -351,7 +351,9 @@ class FrameworkPlugin:
 
     * ``integration.py``: ``integration()`` -> :class:`FrameworkIntegration` (switch, version gate);
     * ``patch.py`` (optional): ``templates()`` and ``PROJECT`` for ``graft patches``;
-    * ``baselines.py`` (optional): ``baselines()``, the framework's own code for conformance.
+    * ``baselines.py`` (optional): ``baselines()``, the framework's own code for conformance,
+      and ``implementations()``, the same code as implementations of backend ``<framework>``
+      (see :mod:`graft.framework_backend`), which compete with graft's in selection.
 
     The folder's ``adapter.py`` holds one instance, named by the ``graft.adapters`` entry point.
     """
@@ -388,3 +390,9 @@ class FrameworkPlugin:
     def graft_conformance_baselines(self):
         baselines = self._module("baselines")
         return baselines.baselines() if baselines is not None else []
+
+    @hookimpl
+    def graft_framework_implementations(self):
+        baselines = self._module("baselines")
+        implementations = getattr(baselines, "implementations", None)
+        return implementations() if implementations is not None else []

@@ -217,8 +217,28 @@ class PluginHost:
                 registry = Registry(default_priority=self._default_priority_for)
                 self.call_each("graft_register_ops", registry=registry)
                 self.call_each("graft_register_kernels", registry=registry)
+                self._add_framework_implementations(registry)
                 self._registry = registry
             return self._registry
+
+    def _add_framework_implementations(self, registry: Registry) -> None:
+        """The frameworks' own code for the ops their integrations replace (see
+        graft.framework_backend): one plugin's bad entry is reported, the others register."""
+        for name, impls in self.call_each("graft_framework_implementations"):
+            for impl in impls or ():
+                try:
+                    if not impl.framework or impl.backend != impl.framework:
+                        raise GraftError(f"{impl.op}: a framework implementation's backend must be its framework's "
+                                         f"name (got backend {impl.backend!r}, framework {impl.framework!r}); build "
+                                         "it with graft.framework_backend.implementation")
+                    if impl.backend in RESERVED_BACKENDS:
+                        raise GraftError(f"{impl.op}: backend {impl.backend!r} is one of graft's own "
+                                         f"({', '.join(sorted(RESERVED_BACKENDS))}), not a framework's")
+                    registry.add_impl(impl if impl.provider else dataclasses.replace(impl, provider=name))
+                except GraftError as exc:
+                    message = f"{name}.graft_framework_implementations: {exc}"
+                    self.hook_errors.append(message)
+                    log.warning("graft adapter %s", message)
 
     def default_priority(self, device) -> tuple | None:
         result = self.pm.hook.graft_default_backend_priority(device=device)

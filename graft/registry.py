@@ -92,6 +92,10 @@ class Implementation:
     check: Check | None = None  # per-call check on the op's actual arguments
     custom_op: object = None  # the torch.ops handle when exposed as a torch.library op
     priority: int = 0  # tie-break between impls of the same backend: higher first
+    # The framework whose own code this is ("vllm": vLLM's kernel for the op), registered
+    # through the graft_framework_implementations hook (see graft.framework_backend); "" for
+    # graft's and vendors' implementations.
+    framework: str = ""
 
     @property
     def key(self) -> str:

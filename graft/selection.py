@@ -5,7 +5,11 @@ Order of candidates for an op:
 1. the op's priority list (``GRAFT_<OP>``), else its family's (``GRAFT_<FAMILY>``),
    else ``GRAFT_BACKENDS``, else the default ``hip,triton,torch``;
 2. backends not in that list follow in default order (so a list only reorders);
-3. the torch reference is last unless the list names it earlier.
+3. the torch reference is last unless the list names it earlier;
+4. where no variable set the order, a framework's own implementation that can serve
+   (``graft.framework_backend``: enabled where the framework runs) comes first; a tuning
+   table (``graft.tuning``, read by dispatch) puts graft's first for the shape buckets
+   where it was measured faster.
 
 A candidate is skipped when it is disabled, cannot serve the device/dtype/arch, is
 unavailable in this environment, or rejects the call's arguments. Skipping a backend
@@ -25,6 +29,8 @@ from graft.platform import dtype_name
 from graft.registry import Implementation, Registry
 
 log = logging.getLogger("graft.selection")
+
+FRAMEWORK_FIRST = "default (the framework's own code first: graft serves where a tuning table or a GRAFT_* variable says)"
 
 _logged: set = set()
 _static_cache: dict = {}
@@ -124,6 +130,13 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
             else:
                 reason = impl.static_reason(device_type, dtype, arch)
             candidates.append(Candidate(impl, reason))
+    if var is None or var.startswith("default"):
+        # No variable chose the order: the framework's own code serves first where it can
+        # (graft.framework_backend); a tuning table moves graft's in front per shape bucket.
+        first = [c for c in candidates if c.impl.framework and c.reason is None]
+        if first:
+            candidates = first + [c for c in candidates if not any(c is f for f in first)]
+            var = FRAMEWORK_FIRST
     # Requested backends with no implementation of this op at all: GRAFT_STRICT=1 refuses
     # to run anything ranked below them.
     missing = tuple(b for b in requested if b not in by_backend)

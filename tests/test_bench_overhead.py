@@ -21,11 +21,16 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
         assert isinstance(row[key], float) and row[key] == row[key], (key, row)
     assert row["direct_us"] > 0 and row["graft_us"] > 0
     assert -row["direct_us"] < row["overhead_us"] < row["graft_us"] + row["direct_us"]
+    assert data["custom_op"]["dispatcher_us"] > data["custom_op"]["graft_us"]  # graft skips the dispatcher eagerly
     adam = data["adam"]
     assert adam["numel"] == 65536 and adam["torch_us"] > 0 and adam["graft_us"] > 0
     assert 0 < adam["ratio"] < 100 and 0 < adam["functional_ratio"] < 100
     summary = data["summary"]
-    assert set(summary) == {"op_overhead_us", "adam_ratio"}
+    assert set(summary) == {"op_overhead_us", "real_call_delta_us", "adam_ratio"}
+    # The real-call delta (public op vs the implementation it selected, both real) and the
+    # comparison with the function a framework calls itself (torch's F.rms_norm here).
+    assert isinstance(row["real_call_delta_us"], float) and row["public_us"] > 0
+    assert row["framework"] == "torch.nn.functional.rms_norm" and row["framework_us"] > 0
     for entry in summary.values():
         assert set(entry) >= {"worst", "target", "met"} and entry["met"] == (entry["worst"] <= entry["target"])
 

@@ -106,7 +106,7 @@ def engines(tmp_path_factory) -> dict:
         "triton": ([VENV_PYTHON, DRIVER, "triton", models],
                    _env(GRAFT_BACKENDS="triton,torch", TRITON_INTERPRET="1", **cpu_attn, **in_process)),
         # The README's command line, as a user runs it (multi-process, vLLM's default).
-        "example on": ([VENV_PYTHON, str(example)], _env(**cpu_attn)),
+        "example on": ([VENV_PYTHON, str(example)], _env(GRAFT_BACKENDS="torch", **cpu_attn)),
         "example off": ([VENV_PYTHON, str(example)], _env(GRAFT_VLLM="0")),
     }
     # The driver builds the models once; the others then only read them.

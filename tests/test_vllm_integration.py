@@ -126,10 +126,14 @@ def test_selected_parts():
 
 
 def _clean_env(**env) -> dict:
+    """No GRAFT_* variable but GRAFT_BACKENDS, set to graft's default order: without a variable
+    or a tuning table naming a graft backend, vLLM's layers stay vLLM's own (tested on its own
+    below), and these scenarios check graft serving inside vLLM. ``None`` unsets a variable."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE"))}
+    full.setdefault("GRAFT_BACKENDS", "hip,triton,torch")
     full.update(env)
     full.setdefault("TRITON_INTERPRET", "1")
-    return full
+    return {k: v for k, v in full.items() if v is not None}
 
 
 def _run(scenario: str, script: str = HERE, **env) -> dict:
@@ -697,6 +701,33 @@ def _cuda_graph_checks(backend_cls, builder, impl) -> int:
 
 if __name__ == "__main__":
     print(json.dumps(globals()[f"scenario_{sys.argv[1]}"]()))
+
+
+@needs_vllm
+def test_without_a_table_or_variable_vllms_layers_stay_its_own(tmp_path):
+    """Graft steps aside where it does not know it wins: no GRAFT_* variable, no tuning table:
+    vLLM's layers are left as vLLM builds them (no graft call, no cost), and the status says why;
+    a table entry naming a graft backend for RMSNorm brings exactly that part in."""
+    cmd = [sys.executable, "-m", "graft.adapters.vllm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_clean_env(GRAFT_BACKENDS=None))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for part in ("rms_norm", "silu_and_mul", "rotary_embedding", "linear", "moe"):
+        assert any(line.startswith(f"  {part}: vLLM's own: graft is not known faster here") for line in lines), lines
+    assert not any(line.startswith("  vLLM ") for line in lines), proc.stdout  # no layer replaced
+    assert "  attention: registered" in lines  # changes nothing unless selected
+    from graft import tuning
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": tuning.FORMAT, "device": tuning.device_key("cpu"),
+                                 "versions": tuning.versions(), "entries": [
+                                     {"op": "fused.rms_norm", "dtype": "float32", "backend": "torch",
+                                      "bucket": "t<=16 x=[t,256] weight=[256] residual=None"}]}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env=_clean_env(GRAFT_BACKENDS=None, GRAFT_TUNING_TABLE=str(table)))
+    lines = proc.stdout.splitlines()
+    assert "  rms_norm: registered" in lines and "  vLLM RMSNorm -> graft.adapters.vllm.custom_ops.GraftRMSNorm" in lines
+    assert any(line.startswith("  linear: vLLM's own") for line in lines), lines
 
 
 @needs_vllm

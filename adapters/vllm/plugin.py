@@ -90,7 +90,15 @@ def activate() -> dict:
             if part in off:  # graft cannot serve its ops here: vLLM keeps its own layer
                 summary[part] = f"off: {off[part]}"
                 log_part_off("vllm", part, off[part])
-        parts = tuple(p for p in selected_parts() if p not in off)
+        # vLLM's own code competes (backend "vllm", graft.framework_backend): where graft is not
+        # known faster, the layer stays exactly as vLLM built it.
+        from graft import framework_backend
+
+        framework_backend.enable("vllm")
+        for part, why in _left_to_vllm(p for p in selected_parts() if p not in off).items():
+            summary[part] = f"vLLM's own: {why}"
+            log.info("graft: vLLM's %s stays vLLM's own code: %s", part, why)
+        parts = tuple(p for p in selected_parts() if p not in off and p not in summary)
         for part in parts:
             if part in summary:
                 continue  # registered together with an earlier part
@@ -105,6 +113,27 @@ def activate() -> dict:
         _summary = summary
         INTEGRATION.report_layers(summary)  # INFO: served and left; WARNING: expected parts left out
         return summary
+
+
+# Parts that change nothing unless a user selects them (vLLM's attention backend choice).
+OPT_IN_PARTS = ("attention",)
+
+
+def _left_to_vllm(parts) -> dict:
+    """``{part: why}`` for the parts graft is not known to serve faster than vLLM here: no
+    GRAFT_* variable orders their ops' backends and no tuning table entry (graft.tuning)
+    names a backend other than vLLM's own for them."""
+    from graft.adapters.vllm.integration import INTEGRATION
+    from graft.tuning import graft_wanted
+
+    left = {}
+    for part in parts:
+        if part in OPT_IN_PARTS:
+            continue
+        if not any(graft_wanted(op) for op in INTEGRATION.needs[part]):
+            left[part] = ("graft is not known faster here (no tuning table entry or GRAFT_* variable favours graft "
+                          "for " + ", ".join(INTEGRATION.needs[part]) + ")")
+    return left
 
 
 def _warm_graft_registry() -> None:

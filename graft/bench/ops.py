@@ -61,6 +61,51 @@ def stubbed(impl, output):
         object.__setattr__(impl, "fn", real)
 
 
+def public_entry(op: str):
+    """The op's public function (``graft.ops.fused.rms_norm``), or None."""
+    import importlib
+
+    family, name = op.split(".", 1)
+    try:
+        return getattr(importlib.import_module(f"graft.ops.{family}"), name, None)
+    except ImportError:
+        return None
+
+
+def framework_call(op: str, args, kwargs):
+    """``(name, call)`` of the first baseline (``graft.conformance.baselines``: torch's own
+    function, a framework's) that can run this case, or None."""
+    from graft.conformance.baselines import baselines_for
+
+    for baseline in baselines_for(op):
+        prepared = baseline.prepare(args, kwargs)
+        if isinstance(prepared, str):
+            continue
+        fn, b_args, b_kwargs, _ = prepared
+        return baseline.name, (lambda fn=fn, a=b_args, k=b_kwargs: fn(*a, **k))
+    return None
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def custom_op_cost(rounds: int, inner: int) -> dict:
+    """What a ``torch.ops.graft.*`` custom op costs an eager call: through torch's dispatcher,
+    and as graft's op objects call it (directly where nothing needs the dispatcher: see
+    ``graft.custom_ops``), each against the plain function (us a call)."""
+    from graft.custom_ops import define_op
+
+    op = getattr(custom_op_cost, "op", None)
+    if op is None:
+        op = custom_op_cost.op = define_op("bench_custom_op_probe", _probe, fake=_probe)  # type: ignore[attr-defined]
+    x = torch.randn(8)
+    overload = torch.ops.graft.bench_custom_op_probe.default
+    t = interleaved({"dispatcher": lambda: overload(x), "graft": lambda: op(x), "plain": lambda: _probe(x)},
+                    rounds=rounds, inner=inner)
+    return {"dispatcher_us": t.difference("dispatcher", "plain") * 1e6, "graft_us": t.difference("graft", "plain") * 1e6}
+
+
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
             stub_rounds: int = 301, stub_inner: int = 100) -> list:
     import graft
@@ -80,14 +125,29 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         args, kwargs = case.inputs("cpu", dtype)
         impl = graft.select(op, *args, **kwargs)
         direct = impl.fn
+        calls: dict = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs)}
+        public = public_entry(op)
+        if public is not None:
+            calls["public"] = lambda: public(*args, **kwargs)
+        framework = None if collectives else framework_call(op, args, kwargs)
+        if framework is not None:
+            calls["framework"] = framework[1]
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            real = interleaved({"graft": lambda: call(op, *args, **kwargs),
-                                "direct": lambda: direct(*args, **kwargs)}, rounds=rounds, inner=inner, sync=sync)
+            real = interleaved(calls, rounds=rounds, inner=inner, sync=sync)
             output = direct(*args, **kwargs)
         progress(f"  {op:32s} real call measured")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
                "real_overhead_us": real.difference("graft", "direct") * 1e6}
+        if public is not None:
+            # The real-call delta: the public op against the implementation it selected, both real.
+            row["public_us"] = real["public"] * 1e6
+            row["real_call_delta_us"] = real.difference("public", "direct") * 1e6
+        if framework is not None:
+            # Against the function a framework would have called without graft (its own baseline).
+            row["framework"] = framework[0]
+            row["framework_us"] = real["framework"] * 1e6
+            row["vs_framework_us"] = real.difference("public" if public is not None else "graft", "framework") * 1e6
         rows.append(row)
         measured.append((row, args, kwargs, output))
     # graft's own cost, every op at once (see the module doc); the value-check mode validates
@@ -116,5 +176,7 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
     for row, *_ in measured:
         progress(f"  {row['op']:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
                  f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
-                 f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)")
+                 f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)"
+                 + (f", public op {row['real_call_delta_us']:+5.2f} us" if "real_call_delta_us" in row else "")
+                 + (f", vs {row['framework']} {row['vs_framework_us']:+5.2f} us" if "framework" in row else ""))
     return rows

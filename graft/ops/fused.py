@@ -55,7 +55,14 @@ def rms_norm_reference(x, weight, eps=1e-6, residual=None):
 def rms_norm_torch(x, weight, eps=1e-6, residual=None):
     """graft's torch backend of fused.rms_norm: torch's fused RMSNorm kernel
     (``F.rms_norm``, what ``torch.nn.RMSNorm`` runs) on the reference's fp32 values, rounded
-    once to ``x``'s dtype; differentiable through torch's own backward."""
+    once to ``x``'s dtype; differentiable through torch's own backward. In fp32 it is exactly
+    the call a framework makes itself (no conversions: each costs a Python call per op call)."""
+    if x.dtype is torch.float32 and weight.dtype is torch.float32:
+        if residual is None:
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+        if residual.dtype is torch.float32:
+            added = x + residual
+            return torch.nn.functional.rms_norm(added, (added.shape[-1],), weight, eps), added
     xf = x.float()
     if residual is not None:
         xf = xf + residual.float()
@@ -83,6 +90,8 @@ def layer_norm_reference(x, weight, bias=None, eps=1e-5):
 
 def silu_and_mul_reference(x):
     d = x.shape[-1] // 2
+    if x.dtype is torch.float32:  # no conversions to skip: the framework's own expression
+        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
     xf = x.float()
     return (torch.nn.functional.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
 

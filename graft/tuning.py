@@ -1,0 +1,472 @@
+"""Tuning tables: which backend was measured fastest, per device, op, dtype and shape bucket.
+
+``graft tune`` (:mod:`graft.tune`) measures every implementation of an op that can serve a
+shape on this device, the framework's own included (:mod:`graft.framework_backend`), and
+writes the winner of each shape bucket to a table. Dispatch reads the tables on its cold
+path only (when it builds a plan, and per argument signature before remembering it): a
+remembered call costs nothing more. Where no ``GRAFT_*`` variable sets an op's order:
+
+* a bucket with a table entry is served by the entry's backend first (then the usual order);
+* a bucket without one keeps the default order, in which the framework's own code, where it
+  can serve, comes first: graft steps aside unless it is known faster here.
+
+An explicit ``GRAFT_<OP>`` / ``GRAFT_<FAMILY>`` / ``GRAFT_BACKENDS`` always wins over tables.
+
+Where tables come from, first match wins: the files in ``GRAFT_TUNING_TABLE`` (paths
+separated by ``:`` or ``,``), then tables plugins ship (``graft_tuning_tables`` hook). A table
+measured on another device (type, name, arch, driver) or with other torch/Triton versions is
+ignored, and ``graft info`` says why. Choices are a pure function of the table and the call's
+shapes, never of timings taken at run time, so every rank of a job reading the same table
+chooses the same implementation. In batch-invariant mode (``GRAFT_TUNING_BATCH_INVARIANT=1``,
+or ``VLLM_BATCH_INVARIANT=1``) one backend serves every token count of a shape: the one with
+the least total measured time over the table's token buckets.
+
+Table format (JSON, ``"format": "graft-tuning/1"``)::
+
+    {"format": "graft-tuning/1",
+     "device": {"type": "cpu", "name": "AMD EPYC 7B13", "arch": "x86_64", "driver": ""},
+     "versions": {"torch": "2.13.0", "triton": "3.9.0"},
+     "created": "2026-12-03T21:00:00Z", "source": "graft tune --model ...",
+     "entries": [
+       {"op": "fused.rms_norm", "dtype": "float32", "bucket": "t<=16 x=[t,256] weight=[256] residual=None",
+        "backend": "vllm", "provider": "vllm", "ratio": 1.31,
+        "median_us": {"vllm": 3.1, "torch": 4.1}, "spread": {"vllm": [2.9, 3.4], "torch": [3.8, 4.6]},
+        "rejected": {"triton": "does not match the reference: ..."}}]}
+
+``ratio``: the next-fastest candidate's median time over the winner's (how much faster the
+winner is here). A graft backend wins a bucket only if it beats the framework's own code by
+more than :data:`MARGIN`; within the margin the framework's code is recorded as the winner.
+
+Shape buckets (:func:`bucket`): the token count ``T`` (first dimension of the op's key tensor)
+rounded up to a power of two, ``t<=T``; every tensor argument's shape, its first dimension
+written ``t`` for the arguments listed in :data:`TOKEN_ARGS` (the key tensor's for other ops);
+int, bool and string arguments by value; float arguments (eps, scales) are left out.
+
+Recorded shapes (what ``graft tune --shapes FILE`` reads; a profile can write them)::
+
+    {"format": "graft-shapes/1",
+     "shapes": [{"op": "fused.rms_norm", "dtype": "float32",
+                 "args": [{"shape": [16, 256]}, {"shape": [256]}, 1e-06, null]},
+                {"op": "fused.rotary_embedding", "dtype": "float32",
+                 "args": [{"shape": [16], "dtype": "int64", "high": 4096}, {"shape": [16, 256]},
+                          {"shape": [16, 128]}, 64, {"shape": [4096, 64]}, true]}]}
+
+Each argument is a literal (number, bool, string, null) or a tensor ``{"shape": [...],
+"dtype": ..., "high": N}``: floating tensors are random normal in the entry's ``dtype``
+unless ``dtype`` says otherwise; integer tensors are random in ``[0, high)``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+
+from graft import config
+from graft.errors import GraftConfigError
+from graft.platform import dtype_name
+
+log = logging.getLogger("graft.tuning")
+
+FORMAT = "graft-tuning/1"
+SHAPES_FORMAT = "graft-shapes/1"
+MARGIN = 0.05  # a graft backend must beat the framework's own code by more than this to win
+
+TABLE_VAR = config.declare_env_var(
+    "GRAFT_TUNING_TABLE", "tuning tables (graft tune's JSON) to read, ':' or ',' separated; first match wins")
+INVARIANT_VAR = config.declare_env_var(
+    "GRAFT_TUNING_BATCH_INVARIANT", "1: one backend per shape for every token count (set by VLLM_BATCH_INVARIANT=1 too)")
+
+# Arguments whose first dimension is the token count, per op (default: the key tensor's).
+TOKEN_ARGS = {
+    "fused.rms_norm": ("x", "residual"),
+    "fused.layer_norm": ("x",),
+    "fused.silu_and_mul": ("x",),
+    "fused.rotary_embedding": ("positions", "q", "k"),
+    "gemm.linear": ("x",),
+    "moe.fused_experts": ("hidden", "topk_weights", "topk_ids"),
+}
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def token_bucket(n: int) -> int:
+    """The power of two at or above ``n`` (0 stays 0): ``t<=`` that value."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(op: str) -> tuple:
+    import inspect
+
+    from graft.plugins import get_registry
+
+    spec = get_registry().op(op)
+    return tuple(inspect.signature(spec.reference).parameters), spec.key_arg
+
+
+def bucket(op: str, args: tuple, kwargs: dict | None = None) -> str:
+    """The shape bucket of a call (see the module doc): the key of a tuning table entry."""
+    names, key_arg = _parameters(op)
+    values = dict(zip(names, args))
+    values.update(kwargs or {})
+    token_args = TOKEN_ARGS.get(op) or (names[key_arg],)
+    key = values.get(names[key_arg]) if key_arg < len(names) else None
+    tokens = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() > 0 else 0
+    parts = [f"t<={token_bucket(tokens)}"]
+    for name in names:
+        if name not in values:
+            continue
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            dims = [str(d) for d in value.shape]
+            if name in token_args and dims:
+                dims[0] = "t"
+            parts.append(f"{name}=[{','.join(dims)}]")
+        elif value is None or isinstance(value, (bool, int, str)):
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+def _tokens_of(bucket_key: str) -> int:
+    head = bucket_key.split(" ", 1)[0]
+    return int(head[3:]) if head.startswith("t<=") and head[3:].isdigit() else -1
+
+
+def without_tokens(bucket_key: str) -> str:
+    """The bucket with its token count left out (batch-invariant lookups)."""
+    return bucket_key.split(" ", 1)[1] if bucket_key.startswith("t<=") and " " in bucket_key else bucket_key
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def device_key(device_type: str | None = None) -> dict:
+    """What a table's measurements are valid for: device type, name, architecture, driver."""
+    from graft.platform import default_device, device_info
+
+    device = torch.device(device_type) if device_type else default_device()
+    if device.type == "cpu":
+        return {"type": "cpu", "name": _cpu_name(), "arch": platform.machine(), "driver": ""}
+    info = device_info(device)
+    driver = getattr(torch.version, "hip", None) or getattr(torch.version, "cuda", None) or ""
+    return {"type": info.type, "name": info.name, "arch": info.arch, "driver": str(driver)}
+
+
+def versions() -> dict:
+    """The software a table's measurements depend on (torch, Triton: kernels and compilers)."""
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    return {"torch": torch.__version__.split("+")[0], "triton": triton}
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass
+class Table:
+    """One tuning table and whether it applies here."""
+
+    source: str  # a path, or "<plugin>: <path or 'in memory'>"
+    device: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    entries: dict = field(default_factory=dict)  # (op, dtype, bucket) -> entry dict
+    ignored: str | None = None  # why it does not apply here (None: it applies)
+
+    @property
+    def used(self) -> bool:
+        return self.ignored is None
+
+
+def parse(data, source: str) -> Table:
+    """A table from its JSON data; a bad table is a GraftConfigError naming what is wrong."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise GraftConfigError(f"tuning table {source}: format must be {FORMAT!r}, got {found!r}")
+    entries = {}
+    for i, entry in enumerate(data.get("entries", [])):
+        missing = [k for k in ("op", "dtype", "bucket", "backend") if not isinstance(entry.get(k), str)]
+        if missing:
+            raise GraftConfigError(f"tuning table {source}: entry {i} lacks {', '.join(missing)}: {entry!r}")
+        entries[(entry["op"], entry["dtype"], entry["bucket"])] = entry
+    return Table(source, dict(data.get("device") or {}), dict(data.get("versions") or {}), entries)
+
+
+def load(path: str) -> Table:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise GraftConfigError(f"{TABLE_VAR}: cannot read tuning table {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise GraftConfigError(f"tuning table {path!r} is not valid JSON: {exc}") from None
+    return parse(data, path)
+
+
+def mismatch(table: Table, device: dict, here_versions: dict) -> str | None:
+    """Why a table measured elsewhere does not apply here (None: it does)."""
+    for key in ("type", "name", "arch", "driver"):
+        if table.device.get(key, "") != device.get(key, ""):
+            return (f"measured on another device ({key} {table.device.get(key)!r}, this machine's is "
+                    f"{device.get(key)!r})")
+    for key in ("torch", "triton"):
+        if table.versions.get(key) != here_versions.get(key):
+            return f"measured with {key} {table.versions.get(key)}, this machine has {here_versions.get(key)}"
+    return None
+
+
+def _paths(value: str) -> list:
+    return [p.strip() for p in value.replace(",", os.pathsep).split(os.pathsep) if p.strip()]
+
+
+_tables_cache: dict = {}  # (config generation, device type) -> list[Table]
+
+
+def tables(device_type: str | None = None) -> list:
+    """Every table considered for ``device_type`` (default: this machine's device), in order of
+    precedence, each marked used or ignored (cached per configuration generation)."""
+    from graft.platform import default_device
+
+    device_type = device_type or default_device().type
+    snap = config.current()
+    key = (snap.generation, device_type)
+    cached = _tables_cache.get(key)
+    if cached is not None:
+        return cached
+    found = [load(path) for path in _paths(snap.get(TABLE_VAR, ""))]
+    found += _plugin_tables()
+    if any(t.used for t in found):
+        here, here_versions = device_key(device_type), versions()
+        for table in found:
+            if table.ignored is None:
+                table.ignored = mismatch(table, here, here_versions)
+    _tables_cache.clear()
+    _tables_cache[key] = found
+    return found
+
+
+def _plugin_tables() -> list:
+    from graft.plugins import get_host
+
+    found = []
+    for name, items in get_host().call_each("graft_tuning_tables"):
+        for item in items or ():
+            try:
+                table = load(os.fspath(item)) if isinstance(item, (str, os.PathLike)) else parse(item, "in memory")
+            except GraftConfigError as exc:  # a plugin's broken table must not break graft
+                log.warning("graft: tuning table from plugin %s ignored: %s", name, exc)
+                found.append(Table(f"{name}: {item if isinstance(item, str) else 'in memory'}", ignored=str(exc)))
+                continue
+            table.source = f"{name}: {table.source}"
+            found.append(table)
+    return found
+
+
+def invariant() -> bool:
+    """Batch-invariant mode: one backend per shape for every token count."""
+    if config.parse_bool(INVARIANT_VAR, False):
+        return True
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    provider: str
+    ratio: float | None
+    source: str  # the table it came from
+    bucket: str
+
+
+def choices(op: str, device_type: str, dtype) -> dict | None:
+    """``{bucket: Choice}`` for ``op`` and ``dtype`` from the tables that apply here (first
+    table wins per bucket); in batch-invariant mode the keys are buckets without the token
+    count. None when no table has an entry for the op: dispatch then adds nothing."""
+    name = dtype_name(dtype) if dtype is not None else None
+    out: dict = {}
+    totals: dict = {}  # batch-invariant: shape without tokens -> {backend: [total us, buckets, provider, table]}
+    is_invariant = invariant()
+    for table in tables(device_type):
+        if not table.used:
+            continue
+        for (e_op, e_dtype, e_bucket), entry in table.entries.items():
+            if e_op != op or e_dtype != name:
+                continue
+            if not is_invariant:
+                if e_bucket not in out:
+                    out[e_bucket] = Choice(entry["backend"], entry.get("provider", ""), entry.get("ratio"),
+                                           table.source, e_bucket)
+                continue
+            per_backend = totals.setdefault(without_tokens(e_bucket), {})
+            providers = entry.get("providers") or {}
+            for backend, us in (entry.get("median_us") or {}).items():
+                slot = per_backend.setdefault(backend, [0.0, 0, providers.get(backend, ""), table.source])
+                slot[0] += float(us)
+                slot[1] += 1
+    for shape, per_backend in totals.items():
+        # Only backends measured at every token count of the shape compete: least total time wins.
+        most = max(slot[1] for slot in per_backend.values())
+        backend, (_, _, provider, source) = min(
+            ((b, s) for b, s in per_backend.items() if s[1] == most), key=lambda kv: kv[1][0])
+        out[shape] = Choice(backend, provider, None, source, shape)
+    return out or None
+
+
+def lookup(table_choices: dict, op: str, args: tuple, kwargs: dict) -> Choice | None:
+    """The table's choice for this call (None: no entry for its bucket)."""
+    key = bucket(op, args, kwargs)
+    if invariant():
+        key = without_tokens(key)
+    return table_choices.get(key)
+
+
+class PlanTuner:
+    """A dispatch plan's tuned variants: per shape bucket with a table entry, the plan whose
+    implementations start with the entry's (built on first use; cold path only)."""
+
+    __slots__ = ("choices", "default", "usable", "make_plan", "variants")
+
+    def __init__(self, table_choices: dict, default, usable: list, make_plan):
+        self.choices = table_choices
+        self.default = default  # the plan of buckets without an entry
+        self.usable = usable  # every statically usable implementation, in the default order
+        self.make_plan = make_plan  # impls -> a plan like the default one
+        self.variants: dict = {}  # bucket -> plan (or None: the entry's backend cannot serve here)
+
+    def plan(self, op: str, args: tuple, kwargs: dict):
+        """The plan for this call's shape bucket (the default plan where the bucket has no entry)."""
+        choice = lookup(self.choices, op, args, kwargs)
+        variant = None if choice is None else self.variant(choice)
+        return variant if variant is not None else self.default
+
+    def variant(self, choice: Choice):
+        if choice.bucket in self.variants:
+            return self.variants[choice.bucket]
+        # The entry's implementation; another of its backend if that provider is gone.
+        chosen = [i for i in self.usable if i.backend == choice.backend and i.provider == choice.provider]
+        chosen = chosen or [i for i in self.usable if i.backend == choice.backend]
+        plan = None
+        if chosen:
+            order = chosen + [i for i in self.usable if not any(i is c for c in chosen)]
+            impls = []
+            for impl in order:  # as dispatch's plans: up to the first impl without a per-call check
+                impls.append(impl)
+                if impl.check is None:
+                    break
+            plan = self.make_plan(tuple(impls))
+        else:
+            log.info("tuning table %s names %s for %s, which cannot serve here; the default order serves",
+                     choice.source, choice.backend, choice.bucket)
+        self.variants[choice.bucket] = plan
+        return plan
+
+
+def tuner(op: str, device_type: str, dtype, default, usable: list, make_plan) -> PlanTuner | None:
+    """The tuned variants of a dispatch plan, or None when no table has an entry for ``op``
+    and ``dtype`` here (dispatch then does nothing more per call)."""
+    table_choices = choices(op, device_type, dtype)
+    if table_choices is None:
+        return None
+    return PlanTuner(table_choices, default, usable, make_plan)
+
+
+def graft_wanted(op: str, device_type: str | None = None, dtype=None) -> str | None:
+    """Why graft (not the framework's own code) should serve ``op`` somewhere on this device:
+    a ``GRAFT_*`` variable that orders the op's backends, or a table entry naming a backend
+    that is not a framework's; None when the framework's own code serves every shape. An
+    integration leaves its layer as the framework built it (no graft call at all) when this
+    is None for every op the layer needs. ``dtype`` None: any dtype."""
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    spec = registry.op(op)
+    settings = config.load_settings(registry.backends(), registry.families())
+    order, var = settings.priority_for(op, spec.family)
+    frameworks = {i.backend for i in registry.implementations(op) if i.framework}
+    if var is not None:
+        if order and order[0] not in frameworks:
+            return f"{var} puts {order[0]} first"
+        return None
+    name = dtype_name(dtype) if dtype is not None else None
+    for table in tables(device_type):
+        if not table.used:
+            continue
+        for (e_op, e_dtype, e_bucket), entry in table.entries.items():
+            if e_op == op and (name is None or e_dtype == name) and entry["backend"] not in frameworks:
+                ratio = entry.get("ratio")
+                faster = f" ({ratio:.2f}x faster)" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else ""
+                return f"{table.source}: {entry['backend']} for {e_dtype} {e_bucket}{faster}"
+    return None
+
+
+def report(device_type: str | None = None) -> dict:
+    """What ``graft info`` shows: each table (used, or why ignored) and, per op, which backend
+    serves each shape bucket, how much faster it measured, and the table it came from."""
+    try:
+        found = tables(device_type)
+    except GraftConfigError as exc:
+        return {"error": str(exc), "tables": [], "ops": {}}
+    ops: dict = {}
+    seen: set = set()
+    for table in found:
+        if not table.used:
+            continue
+        for (op, dtype, bucket_key), entry in sorted(table.entries.items(), key=lambda kv: (
+                kv[0][0], kv[0][1], without_tokens(kv[0][2]), _tokens_of(kv[0][2]))):
+            if (op, dtype, bucket_key) in seen:  # an earlier table's entry wins
+                continue
+            seen.add((op, dtype, bucket_key))
+            ops.setdefault(op, []).append({
+                "dtype": dtype, "bucket": bucket_key, "backend": entry["backend"], "ratio": entry.get("ratio"),
+                "median_us": entry.get("median_us", {}), "note": entry.get("note"), "table": table.source})
+    return {
+        "variable": TABLE_VAR,
+        "batch_invariant": invariant(),
+        "tables": [{"source": t.source, "used": t.used, "ignored": t.ignored, "entries": len(t.entries),
+                    "device": t.device, "versions": t.versions} for t in found],
+        "ops": ops,
+    }
+
+
+def describe(row: dict) -> str:
+    """One table row as ``graft info`` prints it: "served by vllm (faster here by 1.31x)"."""
+    ratio = row.get("ratio")
+    if row.get("note"):
+        how = row["note"]
+    elif isinstance(ratio, (int, float)) and math.isfinite(ratio):
+        others = [b for b in row.get("median_us", {}) if b != row["backend"]]
+        than = f" than {others[0]}" if len(others) == 1 else ""
+        how = (f"faster here by {ratio:.2f}x{than}" if ratio >= 1 else
+               f"within {MARGIN:.0%} of {others[0] if others else 'the next'} ({ratio:.2f}x): the framework's own code kept")
+    else:
+        how = "the only candidate measured" if len(row.get("median_us", {})) <= 1 else "measured"
+    return f"served by {row['backend']} ({how})"
+
+
+def reset() -> None:
+    _tables_cache.clear()
+    _parameters.cache_clear()
+
+
+def _on_reload(snapshot) -> None:
+    _tables_cache.clear()
+
+
+config.on_reload(_on_reload)
