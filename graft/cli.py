@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "patches": ("graft.patches.cli", "generate and check upstream-contribution patches"),
     "bench": ("graft.bench.overhead", "measure graft's own overhead against the frameworks without it"),
     "bench-kernels": ("graft.kernels.bench", "time graft's kernels against library baselines on model shapes"),
+    "profile": ("graft.profiling.cli", "run a command with torch.profiler and graft's op ranges; report where time went"),
 }
 
 
