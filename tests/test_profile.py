@@ -257,9 +257,12 @@ def test_shapes_file_round_trip(tmp_path):
     assert len(merged) == 1 and merged[0]["calls"] == 4
     shapes.write(tmp_path / "s.json", merged)
     assert shapes.read(tmp_path / "s.json") == merged
-    (tmp_path / "bad.json").write_text('[{"op": "x"}]')
+    (tmp_path / "bad.json").write_text('{"format": "graft-shapes/1", "shapes": [{"op": "x"}]}')
     with pytest.raises(ValueError, match="lacks dtype, args, calls"):
         shapes.read(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a shapes file"):
+        shapes.read(tmp_path / "list.json")
 
 
 # -- real jobs under the command ----------------------------------------------------------------
@@ -278,9 +281,15 @@ def _profile_command(out: Path, command: list, python=sys.executable, steps=2, t
     return run
 
 
-def _torchrun(script_args: list) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port())] + script_args
+def _profile_two_ranks(out: Path, script_args: list, expect_ops: tuple, **env) -> list:
+    """``graft profile`` over torchrun with 2 ranks; the ranks' recorded processes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(_free_port())] + script_args
+    _profile_command(out, command, **env)
+    profile = _check_profile(out, expect_ops=expect_ops, comm=True, roles=["training rank"] * 2)
+    ranks = [p for p in profile["processes"] if p.get("window")]
+    assert sorted(p["label"] for p in ranks) == ["rank0", "rank1"]
+    return ranks
 
 
 @pytest.mark.slow
@@ -288,12 +297,9 @@ def _torchrun(script_args: list) -> list:
 @pytest.mark.timeout(480)
 def test_profile_deepspeed_zero2_two_ranks(tmp_path):
     pytest.importorskip("deepspeed")
-    out = tmp_path / "ds"
-    _profile_command(out, _torchrun([str(ROOT / "tests" / "_ds_train.py"), "--graft", "1", "--stages", "2",
-                                     "--steps", "4", "--out", str(tmp_path / "result")]))
-    profile = _check_profile(out, expect_ops=("fused.adam_step", "collectives.all_reduce"), comm=True,
-                             roles=["training rank"] * 2)
-    assert sorted(p["label"] for p in profile["processes"] if p.get("window")) == ["rank0", "rank1"]
+    _profile_two_ranks(tmp_path / "ds", [str(ROOT / "tests" / "_ds_train.py"), "--graft", "1", "--stages", "2",
+                                         "--steps", "4", "--out", str(tmp_path / "result")],
+                       ("fused.adam_step", "collectives.all_reduce"))
 
 
 @pytest.mark.slow
@@ -301,11 +307,9 @@ def test_profile_deepspeed_zero2_two_ranks(tmp_path):
 @pytest.mark.timeout(480)
 def test_profile_megatron_tp2(tmp_path):
     pytest.importorskip("megatron.core")
-    out = tmp_path / "mg"
-    _profile_command(out, _torchrun([str(JOBS), "megatron"]), GRAFT_BACKENDS="torch")
-    profile = _check_profile(out, expect_ops=("gemm.linear", "fused.rms_norm", "attention.prefill"), comm=True,
-                             roles=["training rank"] * 2)
-    for proc in (p for p in profile["processes"] if p.get("window")):
+    ranks = _profile_two_ranks(tmp_path / "mg", [str(JOBS), "megatron"],
+                               ("gemm.linear", "fused.rms_norm", "attention.prefill"), GRAFT_BACKENDS="torch")
+    for proc in ranks:
         assert proc["comm"]["overlapped_us"] > 0, proc["comm"]  # the dgrad all-reduce hides under the wgrad GEMM
         assert any(r["name"] == "gemm.linear (backward)" for r in proc["ops"])
 

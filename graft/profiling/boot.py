@@ -12,9 +12,11 @@ import atexit
 import os
 import sys
 
-DIR_VAR = "GRAFT_PROFILE_DIR"
-STEPS_VAR = "GRAFT_PROFILE_STEPS"
-WARMUP_VAR = "GRAFT_PROFILE_WARMUP"
+from graft.config import declare_env_var
+
+DIR_VAR = declare_env_var("GRAFT_PROFILE_DIR", "set by graft profile: the folder each process of the job records into")
+STEPS_VAR = declare_env_var("GRAFT_PROFILE_STEPS", "set by graft profile: steps in each process's window (0: to exit)")
+WARMUP_VAR = declare_env_var("GRAFT_PROFILE_WARMUP", "set by graft profile: steps before the window opens")
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 
 
