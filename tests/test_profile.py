@@ -250,6 +250,33 @@ def test_cli_profiles_a_script_and_notes_processes_without_steps(tmp_path):
     assert "made no step" in run.stderr
 
 
+def test_cli_forked_children_record_their_own_window(tmp_path):
+    """vLLM forks its engine core: a forked child that steps records itself; one that never
+    steps (a DataLoader worker, say) leaves nothing behind."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import multiprocessing as mp, torch\n"
+        "import graft.profiling as p\n"
+        "def work(steps):\n"
+        "    for _ in range(steps):\n"
+        "        [torch.mm(torch.randn(128, 128), torch.randn(128, 128)) for _ in range(8)]\n"
+        "        p.step()\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('fork')\n"
+        "    for steps in (4, 0):\n"
+        "        child = ctx.Process(target=work, args=(steps,))\n"
+        "        child.start(); child.join()\n"
+        "        assert child.exitcode == 0\n")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    run = subprocess.run([sys.executable, "-m", "graft", "profile", "--out", str(out), "--steps", "2", "--",
+                          sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    profile = _check_profile(out, roles=["user loop"])
+    silent = [p for p in profile["processes"] if not p.get("window")]
+    assert len(profile["processes"]) == 2 and len(silent) == 1, profile["processes"]  # the parent, named
+
+
 def test_shapes_file_round_trip(tmp_path):
     a = [{"op": "gemm.linear", "backend": "torch", "dtype": "float32", "shapes": [[4, 8]],
           "args": [{"shape": [4, 8], "dtype": "float32"}], "kwargs": {}, "calls": 2}]

@@ -42,6 +42,7 @@ class Recorder:
         self.t0 = 0.0
         self.marks: list = []  # perf_counter of each step boundary inside the window
         self.finished = False
+        self.forked = False  # a forked child's recorder (set by the at-fork hook)
         self.note = ""
         ranges.install()
 
@@ -232,6 +233,10 @@ def finish_at_exit() -> None:
     live = current
     if live is None or live.pid != os.getpid() or live.finished:
         return
+    if live.prof is None and live.forked and live.seen == 0:
+        ranges.uninstall()  # a forked helper (a DataLoader worker) that never stepped: nothing to report
+        live.finished = True
+        return
     if live.prof is None:
         live.finish(f"no window: the process exited after {live.seen} step(s), before the {live.warmup} warm-up "
                     "step(s) were over" if live.seen else "no window: the process made no step (an optimizer "
@@ -252,6 +257,7 @@ def _after_fork_in_child() -> None:
         current = None  # forked mid-window: kineto's threads did not come along; record nothing here
         return
     current = Recorder(parent.out, steps=parent.steps, warmup=parent.warmup)
+    current.forked = True
     if parent.warmup == 0:
         current.start()
     # multiprocessing's children leave through os._exit (no atexit): its own exit hook
