@@ -215,6 +215,16 @@ def test_compare_two_profiles(api_profile, capsys):
     assert main(["profile", "--compare", str(api_profile / "profile.json"), str(api_profile)]) == 0
     text = capsys.readouterr().out
     assert "gemm.linear [torch]" in text and "1.00" in text
+    a = report.load(api_profile)
+    b = json.loads(json.dumps(a))
+    extra = dict(b["processes"][0], label="rank9")
+    b["processes"].append(extra)
+    for row in b["processes"][0]["ops"]:
+        row["total_us"] *= 2
+    text = report.compare(a, b)
+    assert "rank9: only in B" in text
+    line = next(l for l in text.splitlines() if "gemm.linear [torch]" in l)
+    assert line.split()[-1] == "2.00", line
 
 
 def test_cli_errors(tmp_path, capsys):

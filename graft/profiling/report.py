@@ -131,11 +131,13 @@ def compare(a: dict, b: dict, names=("A", "B")) -> str:
     procs_a = [p for p in a["processes"] if p.get("window")]
     procs_b = {p["label"]: p for p in b["processes"] if p.get("window")}
     ordered_b = [p for p in b["processes"] if p.get("window")]
+    matched = set()
     for i, pa in enumerate(procs_a):
         pb = procs_b.get(pa["label"]) or (ordered_b[i] if i < len(ordered_b) else None)
-        if pb is None:
+        if pb is None or pb["label"] in matched:
             lines.append(f"{pa['label']}: only in {names[0]}")
             continue
+        matched.add(pb["label"])
         wa, wb = pa["window"], pb["window"]
         step_a = wa["trace_span_us"] / max(wa["steps"], 1)
         step_b = wb["trace_span_us"] / max(wb["steps"], 1)
@@ -159,7 +161,6 @@ def compare(a: dict, b: dict, names=("A", "B")) -> str:
             if key not in seen:
                 per_b = rb["total_us"] / max(wb["steps"], 1) / 1e3
                 lines.append(f"  {rb['name'][:46]:<46} {rb['kind']:<10} {'-':>12} {per_b:>12.3f} {'-':>7}")
-    for label in procs_b.keys() - {p["label"] for p in procs_a}:
-        if len(procs_b) > len(procs_a):
-            lines.append(f"{label}: only in {names[1]}")
+    for label in sorted(procs_b.keys() - matched):
+        lines.append(f"{label}: only in {names[1]}")
     return "\n".join(lines)
