@@ -85,3 +85,12 @@ from graft.integration import importable_version
 print(f"vLLM CPU environment ready: vllm {importable_version('vllm')}, torch {torch.__version__}")
 PY
 fi
+
+# Chromium from the OS packages, for tests/test_profile.py's headless check of profile.html
+# (it renders, its SVG plots are there, no console errors). Only where apt-get can install as
+# root and it is not there yet; elsewhere that test skips, saying so. GRAFT_CHROMIUM=0 skips it.
+if [ "${GRAFT_CHROMIUM:-1}" != 0 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || echo "ci/setup.sh: chromium did not install; tests/test_profile.py's browser check will skip" >&2
+fi

@@ -49,6 +49,10 @@ def __getattr__(name):
 
     if name in ("ops", "dispatch"):
         return importlib.import_module(f"graft.{name}")
+    if name == "profile":  # `with graft.profile(out): ...` (graft.profiling holds the rest)
+        from graft.profiling import profile
+
+        return profile
     if name in ("call", "select", "run"):
         value = getattr(importlib.import_module("graft.dispatch"), name)
         globals()[name] = value
@@ -76,4 +80,5 @@ __all__ = [
     "reload_config",
     "override_config",
     "served_calls",
+    "profile",
 ]

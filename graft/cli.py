@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bench": ("graft.bench.overhead", "measure graft's own overhead against the frameworks without it"),
     "tune": ("graft.tune", "measure graft's implementations against the framework's own on this device; write a tuning table"),
     "bench-kernels": ("graft.kernels.bench", "time graft's kernels against library baselines on model shapes"),
+    "profile": ("graft.profiling.cli", "run a command with torch.profiler and graft's op ranges; report where time went"),
 }
 
 

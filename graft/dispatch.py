@@ -183,6 +183,11 @@ class _Op:
                 self.next_fast = (self.next_fast + 1) % _MAX_HITS
 
 
+# Set by graft.profiling while it records (None otherwise): maps an Implementation to one whose
+# fn runs inside a torch.profiler range naming op, backend and shape bucket. Plans are built
+# with it, and rebuilt (a configuration reload) when recording starts and stops, so the hot
+# path carries no profiling check at all.
+instrument: Callable[[Implementation], Implementation] | None = None
 _ops: dict = {}  # op -> _Op
 _fast_hits: dict = {}  # op -> remembered signatures as graft/_fastcall.c reads them (Recogniser.fast_hit)
 _fastcall: Any
@@ -238,6 +243,8 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
             usable.append(cand.impl)
             if cand.impl.check is None:
                 break
+    if instrument is not None:  # graft.profiling is recording: each impl wrapped in a named range
+        usable = [instrument(impl) for impl in usable]
     error = None
     if not usable:
         error = GraftUnsupportedError(
