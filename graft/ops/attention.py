@@ -239,7 +239,7 @@ def prefill_paged_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, s
 
 
 def torch_implementations():
-    """graft's torch backend of attention.prefill and prefill_paged (rank above the plain references)."""
+    """graft's torch backend of attention.prefill, prefill_paged and decode_paged (rank above the plain references)."""
     from graft.registry import Implementation
 
     devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
@@ -256,26 +256,25 @@ def torch_implementations():
                         "backend); reference for out-of-range lengths and block ids",
             devices=devices, priority=-50,
         ),
+        Implementation(
+            op="attention.decode_paged", backend="torch", fn=decode_paged_torch, provider="graft",
+            description="all sequences in one batched matmul/softmax over the used pages (gathered once, fp8 "
+                        "dequantised after the gather), shorter contexts masked",
+            devices=devices, priority=-50,
+        ),
     ]
-
-
-def _kv_scale(scale) -> float:
-    return float(scale.reshape(-1)[0]) if isinstance(scale, torch.Tensor) else float(scale)
 
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
                            k_scale=None, v_scale=None):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    if key_cache.dtype in FP8_KV_DTYPES:  # dequantise, then the same fp32 math
-        key_cache = key_cache.float() * _kv_scale(k_scale)
-        value_cache = value_cache.float() * _kv_scale(v_scale)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_size = key_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
         n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
         # Tokens of a table entry outside [0, num_blocks) are skipped (see the module doc).
-        context = _paged_context(key_cache, value_cache, block_tables[s], n) if n else None
+        context = _paged_context(key_cache, value_cache, block_tables[s], n, k_scale, v_scale) if n else None
         if context is None:
             continue
         k, v, _ = context
@@ -283,23 +282,69 @@ def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens
     return out
 
 
-def _paged_context(key_cache, value_cache, table_row, n):
+def _blocks_of(cache, blocks, scale):
+    """``cache[blocks]``; an fp8 cache is indexed as bytes (torch's CPU indexing takes no fp8
+    dtype) and dequantised (``.float() * scale``) after the gather: only the pages read."""
+    if cache.dtype not in FP8_KV_DTYPES:
+        return cache[blocks]
+    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)  # a tensor: no host read
+    return cache.view(torch.uint8)[blocks].view(cache.dtype).float() * scale
+
+
+def _paged_context(key_cache, value_cache, table_row, n, k_scale=None, v_scale=None):
     """Sequence keys/values of the first ``n`` cache tokens of one table row, without the
     tokens of entries outside [0, num_blocks): (k, v, their positions or None when none is
-    skipped), or None if no token is left."""
+    skipped), or None if no token is left. fp8 caches come back dequantised (fp32)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     blocks = table_row[: (n + block_size - 1) // block_size].long()
     block_ok = (blocks >= 0) & (blocks < num_blocks)
     if bool(block_ok.all()):  # the usual case: no masking needed
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
-        return k, value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n], None
+        k = _blocks_of(key_cache, blocks, k_scale).reshape(-1, num_kv_heads, head_dim)[:n]
+        return k, _blocks_of(value_cache, blocks, v_scale).reshape(-1, num_kv_heads, head_dim)[:n], None
     ok = block_ok.repeat_interleave(block_size)[:n]
     if not bool(ok.any()):
         return None
     blocks = blocks.clamp(0, num_blocks - 1)
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    k = _blocks_of(key_cache, blocks, k_scale).reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    v = _blocks_of(value_cache, blocks, v_scale).reshape(-1, num_kv_heads, head_dim)[:n][ok]
     return k, v, torch.arange(n, device=key_cache.device)[ok]
+
+
+def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                       k_scale=None, v_scale=None):
+    """graft's torch backend of attention.decode_paged: every sequence at once, no Python loop
+    over them. The pages of the used table columns (up to the longest context) are gathered
+    with one index per cache, an fp8 cache as bytes and dequantised after the gather, so the
+    work grows with the batch's contexts, never with the cache; shorter contexts and tokens
+    of out-of-range table entries are masked out of the softmax. fp32 math as the reference
+    (``num_splits`` changes nothing here: one pass). One host read: the longest context."""
+    scale = _scale_or_default(softmax_scale, query.shape[-1])
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.clamp(0, capacity)  # out-of-range lengths (value checks off) are clamped
+    longest = int(lens.max()) if num_seqs else 0
+    if longest == 0:
+        return torch.zeros_like(query)
+    used = (longest + block_size - 1) // block_size
+    blocks = block_tables[:, :used].long()
+    block_ok = (blocks >= 0) & (blocks < num_blocks)
+    blocks = blocks.clamp(0, num_blocks - 1)  # their tokens are masked below
+    width = used * block_size
+    k = _blocks_of(key_cache, blocks, k_scale).reshape(num_seqs, width, num_kv_heads, head_dim)
+    v = _blocks_of(value_cache, blocks, v_scale).reshape(num_seqs, width, num_kv_heads, head_dim)
+    visible = (torch.arange(width, device=query.device)[None, :] < lens[:, None]) & block_ok.repeat_interleave(
+        block_size, dim=1)
+    group = num_heads // num_kv_heads
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    # [N, KVH, group, D] @ [N, KVH, D, width]: GQA without repeating K/V.
+    scores = torch.matmul(q, k.float().permute(0, 2, 3, 1)) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    # A row that sees no key (all masked, or every key -inf) outputs zeros, as in the reference.
+    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    out = torch.matmul(probs, v.float().permute(0, 2, 1, 3))  # [N, KVH, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
