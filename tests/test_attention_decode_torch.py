@@ -93,6 +93,23 @@ def test_vllm_strided_cache_views_fp32_and_fp8():
                                   v_scale=scale), torch.float32)
 
 
+def test_caches_whose_rows_are_not_contiguous():
+    """head_dim with a stride (every other element) and a cache with a transposed head/slot
+    order: the gather falls back to plain indexing, same result."""
+    (query, kc, vc, bt, lens), _ = _inputs([7, 30, 1], 4, 2, 32, 8, torch.float32)
+    wide_k = torch.stack([kc, -kc], dim=-1).flatten(-2)[..., ::2]
+    wide_v = torch.stack([vc, -vc], dim=-1).flatten(-2)[..., ::2]
+    assert wide_k.stride(-1) == 2 and torch.equal(wide_k, kc)
+    expected = decode_paged_reference(query, kc, vc, bt, lens)
+    _close(decode_paged_torch(query, wide_k, wide_v, bt, lens), expected, torch.float32)
+    swapped_k = kc.transpose(1, 2).contiguous().transpose(1, 2)
+    swapped_v = vc.transpose(1, 2).contiguous().transpose(1, 2)
+    _close(decode_paged_torch(query, swapped_k, swapped_v, bt, lens), expected, torch.float32)
+    # No block at all: every token is out of range, zero rows.
+    none = decode_paged_torch(query, kc[:0], vc[:0], bt, lens)
+    assert torch.equal(none, torch.zeros_like(query))
+
+
 def test_out_of_range_values_as_the_reference_defines_them():
     """Value checks off: seq_lens clamped into [0, capacity], tokens of table entries outside
     [0, num_blocks) skipped, a row with no valid token is zero."""

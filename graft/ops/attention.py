@@ -313,10 +313,11 @@ def _paged_context(key_cache, value_cache, table_row, n, k_scale=None, v_scale=N
 def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
                        k_scale=None, v_scale=None):
     """graft's torch backend of attention.decode_paged: every sequence at once, no Python loop
-    over them. The pages of the used table columns (up to the longest context) are gathered
-    with one index per cache, an fp8 cache as bytes and dequantised after the gather, so the
-    work grows with the batch's contexts, never with the cache; shorter contexts and tokens
-    of out-of-range table entries are masked out of the softmax. fp32 math as the reference
+    over them. The tokens up to the longest context are gathered out of their pages with one
+    index per cache, straight into the ``[seqs, kv_heads, tokens, head_dim]`` layout the
+    batched matmuls take (an fp8 cache as bytes, dequantised after the gather), so the work
+    grows with the batch's contexts, never with the cache; shorter contexts and the tokens of
+    out-of-range table entries are masked out of the softmax. fp32 math as the reference
     (``num_splits`` changes nothing here: one pass). One host read: the longest context."""
     scale = _scale_or_default(softmax_scale, query.shape[-1])
     num_seqs, num_heads, head_dim = query.shape
@@ -324,27 +325,50 @@ def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, so
     capacity = block_tables.shape[1] * block_size
     lens = seq_lens.clamp(0, capacity)  # out-of-range lengths (value checks off) are clamped
     longest = int(lens.max()) if num_seqs else 0
-    if longest == 0:
+    if longest == 0 or num_blocks == 0:  # no token to attend to: zero rows
         return torch.zeros_like(query)
-    used = (longest + block_size - 1) // block_size
-    blocks = block_tables[:, :used].long()
-    block_ok = (blocks >= 0) & (blocks < num_blocks)
-    blocks = blocks.clamp(0, num_blocks - 1)  # their tokens are masked below
-    width = used * block_size
-    k = _blocks_of(key_cache, blocks, k_scale).reshape(num_seqs, width, num_kv_heads, head_dim)
-    v = _blocks_of(value_cache, blocks, v_scale).reshape(num_seqs, width, num_kv_heads, head_dim)
-    visible = (torch.arange(width, device=query.device)[None, :] < lens[:, None]) & block_ok.repeat_interleave(
-        block_size, dim=1)
+    device = query.device
+    pos = torch.arange(longest, device=device)
+    blocks = block_tables[:, pos // block_size].long()  # [N, tokens]
+    visible = (pos[None, :] < lens[:, None]) & (blocks >= 0) & (blocks < num_blocks)
+    blocks = blocks.clamp(0, num_blocks - 1)  # masked tokens read a valid block, never outside the cache
+    slots = pos % block_size
+    k = _tokens_of(key_cache, blocks, slots, k_scale)  # [N, KVH, tokens, D]
+    v = _tokens_of(value_cache, blocks, slots, v_scale)
     group = num_heads // num_kv_heads
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    # [N, KVH, group, D] @ [N, KVH, D, width]: GQA without repeating K/V.
-    scores = torch.matmul(q, k.float().permute(0, 2, 3, 1)) * scale
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [N, KVH, group, tokens]: GQA without repeating K/V
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     # A row that sees no key (all masked, or every key -inf) outputs zeros, as in the reference.
     row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
-    out = torch.matmul(probs, v.float().permute(0, 2, 1, 3))  # [N, KVH, group, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _tokens_of(cache, blocks, slots, scale):
+    """``cache`` ([num_blocks, block_size, kv_heads, D]) at the tokens (``blocks`` [N, tokens],
+    ``slots`` [tokens]) of every kv head, as fp32 ``[N, kv_heads, tokens, D]``; an fp8 cache
+    gathered as bytes (torch's CPU indexing takes no fp8 dtype), then dequantised."""
+    raw = cache.view(torch.uint8) if cache.dtype in FP8_KV_DTYPES else cache
+    heads = torch.arange(raw.shape[2], device=raw.device)
+    s_block, s_slot, s_head, s_dim = raw.stride()
+    row = math.gcd(math.gcd(s_block, s_slot), s_head)
+    if s_dim == 1 and row > 0 and min(s_block, s_slot, s_head) >= 0:
+        # Every (block, slot, head) starts a run of D contiguous elements at a multiple of
+        # ``row``: over the storage seen as rows ``row`` apart, one index_select copies whole
+        # rows (vLLM's strided views included), about twice as fast as advanced indexing,
+        # which computes an offset per element.
+        offsets = (blocks[:, None, :] * (s_block // row) + heads[None, :, None] * (s_head // row)
+                   + slots * (s_slot // row))
+        last = sum((n - 1) * st for n, st in zip(raw.shape[:3], (s_block, s_slot, s_head))) // row
+        rows = raw.as_strided((last + 1, raw.shape[3]), (row, 1))
+        out = rows.index_select(0, offsets.flatten()).view(*offsets.shape, raw.shape[3])
+    else:
+        out = raw.permute(0, 2, 1, 3)[blocks[:, None, :], heads[None, :, None], slots]
+    if raw is cache:
+        return out.float()
+    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)
+    return out.view(cache.dtype).float() * scale
 
 
 def prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
