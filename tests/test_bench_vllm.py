@@ -29,8 +29,13 @@ def test_ratios_are_paired_per_round_and_tokens_compared():
     assert (w["throughput_min"], w["throughput_median"], w["throughput_max"]) == (12.5, 50.0, 100.0)
     assert w["tokens_identical"] is False  # round 3 differs
     assert w["tokens_differing"] == 0  # the first runs agree
+    assert w["first_difference"] == [None, None] and w["prompts_identical"] == 2 and w["tokens_total"] == 5
     tokens["decode"]["with"][0] = [[1, 2, 9], [4]]
-    assert bench.summarize(samples, tokens, {"decode": 100})["decode"]["with"]["tokens_differing"] == 2
+    w = bench.summarize(samples, tokens, {"decode": 100})["decode"]["with"]
+    assert w["tokens_differing"] == 2 and w["first_difference"] == [2, 1] and w["prompts_identical"] == 0
+    assert "2/5 tokens differ, 0/2 prompts identical" in "\n".join(bench.report_lines(
+        {"workloads": {"decode": {"throughput_unit": "generated tokens/s"}},
+         "results": bench.summarize(samples, tokens, {"decode": 100})}))
 
 
 def test_report_lines_name_ratio_spread_and_tokens():
@@ -116,3 +121,12 @@ def test_one_round_in_a_real_engine(tmp_path):
     assert results["engines"]["without"]["graft"] is None  # GRAFT_VLLM=0: graft stayed out
     assert results["engines"]["attention_only"]["graft"] == {"attention": "registered; serves CPU_ATTN"}
     assert "decode" in done.stdout and "ratio" in done.stdout
+
+
+def test_report_lines_of_the_compiled_section():
+    results = {"compiled": {"without": {"engine_seconds": 60.0, "first_generate_seconds": 0.2},
+                            "with": {"engine_seconds": 30.0, "first_generate_seconds": 0.3, "ratio_median": 2.0,
+                                     "ratio_min": 1.5, "ratio_max": 2.5}}}
+    text = "\n".join(bench.report_lines(results))
+    assert "compiled (enforce_eager=False), cold compile cache" in text
+    assert "with       build    30.0  first generate   0.30  ratio 2.000 (1.500-2.500)" in text

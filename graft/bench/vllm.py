@@ -27,6 +27,9 @@ Workloads (:data:`graft.bench.vllm_engine.WORKLOADS`): ``decode`` (16 prompts of
 1 new token; throughput = prompt tokens/s). Greedy token ids of every variant are compared with
 ``without`` (fp32: they should be identical) and reported. ``--profile`` adds one untimed round
 with per-layer timers (RMSNorm, SiLU-and-mul, rotary, linear, attention; the rest is "other").
+``--compiled`` (or ``--compiled-only``) times vLLM's compiled mode from a cold start per variant:
+a fresh engine with ``enforce_eager=False`` and an empty compile cache, its build (which traces and
+compiles the model) and its first generate.
 """
 from __future__ import annotations
 
@@ -98,9 +101,20 @@ def summarize(samples: dict, tokens: dict, work: dict) -> dict:
                 row["tokens_identical"] = all(r == base_runs[0] for r in runs) and all(
                     r == base_runs[0] for r in base_runs)
                 row["tokens_differing"] = _differing(runs[0], base_runs[0])
+                row["tokens_total"] = sum(len(r) for r in base_runs[0])
+                row["prompts_identical"] = sum(a == b for a, b in zip(runs[0], base_runs[0]))
+                row["first_difference"] = [_first_difference(a, b) for a, b in zip(runs[0], base_runs[0])]
             rows[variant] = row
         out[workload] = rows
     return out
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    """The index of the first generated token where two runs of one prompt differ, or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _differing(a: list, b: list) -> int:
@@ -165,18 +179,20 @@ def engine_env(variant: str, options: dict, cpus: str = "0") -> dict:
 
 
 def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs: Path, progress, profile=False,
-            cpus: str = "0", timeout: float = 600.0) -> dict:
+            cpus: str = "0", kv_cache_dtype: str = "auto", timeout: float = 600.0) -> dict:
     from graft.bench.vllm_engine import WORKLOADS
 
     if BASELINE not in variants:
         variants = [BASELINE] + variants
     engines: dict = {}
     results: dict = {"variants": {v: VARIANTS[v] for v in variants}, "rounds": rounds, "cpus": cpus,
-                     "workloads": {}}
+                     "kv_cache_dtype": kv_cache_dtype, "workloads": {}}
     try:
         for variant in variants:  # one at a time: a start-up is not timed against another's
-            progress(f"  starting engine {variant!r} ({', '.join(f'{k}={v}' for k, v in VARIANTS[variant].items()) or 'graft default'})")
-            engine = engines[variant] = Engine(variant, model_dir, engine_env(variant, {"profile": profile}, cpus),
+            settings = ", ".join(f"{k}={v}" for k, v in VARIANTS[variant].items()) or "graft default"
+            progress(f"  starting engine {variant!r} ({settings})")
+            options = {"profile": profile, "kv_cache_dtype": kv_cache_dtype}
+            engine = engines[variant] = Engine(variant, model_dir, engine_env(variant, options, cpus),
                                                logs / f"{variant}.log")
             ready = engine.read(timeout)
             results.setdefault("engines", {})[variant] = {k: ready[k] for k in ("engine_seconds",
@@ -218,6 +234,41 @@ def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs:
     return results
 
 
+def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, progress, cpus: str = "0",
+                     timeout: float = 600.0) -> dict:
+    """vLLM's compiled mode (``enforce_eager=False``) from a cold start: each run a fresh engine
+    with an empty compile cache (its own ``VLLM_CACHE_ROOT``), timed to its engine build (which
+    compiles) and its first generate; variants alternate, ``rounds`` runs each."""
+    if BASELINE not in variants:
+        variants = [BASELINE] + variants
+    runs: dict = {v: [] for v in variants}
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for variant in order:
+            with tempfile.TemporaryDirectory(prefix="graft-bench-vllm-cache-") as cache:
+                env = engine_env(variant, {"enforce_eager": False}, cpus)
+                env["VLLM_CACHE_ROOT"] = cache
+                engine = Engine(f"{variant} compiled", model_dir, env, logs / f"{variant}-compiled-{r}.log")
+                try:
+                    ready = engine.read(timeout)
+                finally:
+                    engine.close()
+            first = ready["first_generate_seconds"]["decode"]
+            runs[variant].append({"engine_seconds": ready["engine_seconds"], "first_generate_seconds": first,
+                                  "total_seconds": ready["engine_seconds"] + first})
+            progress(f"  compiled, round {r + 1}/{rounds}, {variant}: engine built (and compiled) in "
+                     f"{ready['engine_seconds']:.1f} s, first generate {first:.2f} s")
+    out: dict = {}
+    for variant, rows in runs.items():
+        row = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        row["runs"] = rows
+        if variant != BASELINE:
+            ratios = [b["total_seconds"] / x["total_seconds"] for b, x in zip(runs[BASELINE], rows)]
+            row.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        out[variant] = row
+    return out
+
+
 def _layer_kinds():
     from graft.bench.vllm_engine import LAYER_KINDS
 
@@ -233,8 +284,19 @@ def report_lines(results: dict) -> list:
             text = (f"  {variant:10s} {row['throughput_median']:9.1f} "
                     f"({row['throughput_min']:.1f}-{row['throughput_max']:.1f})")
             if "ratio_median" in row:
-                same = "tokens identical" if row["tokens_identical"] else f"{row['tokens_differing']} tokens differ"
+                same = "tokens identical" if row["tokens_identical"] else (
+                    f"{row['tokens_differing']}/{row['tokens_total']} tokens differ, {row['prompts_identical']}/"
+                    f"{len(row['first_difference'])} prompts identical")
                 text += f"  ratio {row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}), {same}"
+            lines.append(text)
+    if "compiled" in results:
+        lines.append("compiled (enforce_eager=False), cold compile cache: engine build + first generate, seconds "
+                     "(ratio = without graft's / this variant's):")
+        for variant, row in results["compiled"].items():
+            text = (f"  {variant:10s} build {row['engine_seconds']:7.1f}  first generate "
+                    f"{row['first_generate_seconds']:6.2f}")
+            if "ratio_median" in row:
+                text += f"  ratio {row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
             lines.append(text)
     for workload, by_variant in results.get("layers", {}).items():
         lines.append(f"{workload}: seconds per layer kind in one run")
@@ -251,6 +313,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workloads", default=None, help="comma-separated subset of decode, prefill")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)")
     parser.add_argument("--profile", action="store_true", help="add one round with per-layer timers")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time vLLM's compiled mode from a cold start (engine build + first generate, "
+                             "fresh compile cache per run)")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="only the compiled-mode section (skip the throughput rounds)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's kv_cache_dtype for every engine (fp8: graft's fp8 path against vLLM's own CPU "
+                             "fp8 path; tokens then agree only as far as the two roundings to fp8 allow)")
     parser.add_argument("--cpus", default="0",
                         help="VLLM_CPU_OMP_THREADS_BIND for every engine (default 0: one thread on core 0; auto: "
                              "vLLM's own binding)")
@@ -292,9 +362,17 @@ def run(args) -> int:
     import vllm as vllm_module
 
     with tempfile.TemporaryDirectory(prefix="graft-bench-vllm-") as logs:
-        progress(f"vllm: {rounds} interleaved rounds of {', '.join(workloads)} on {', '.join(variants)}")
-        results = measure(rounds, variants, workloads, model_dir, Path(logs), progress, profile=args.profile,
-                          cpus=args.cpus)
+        if args.compiled_only:
+            results = {"variants": {v: VARIANTS[v] for v in variants}, "cpus": args.cpus}
+        else:
+            progress(f"vllm: {rounds} interleaved rounds of {', '.join(workloads)} on {', '.join(variants)}")
+            results = measure(rounds, variants, workloads, model_dir, Path(logs), progress, profile=args.profile,
+                              cpus=args.cpus, kv_cache_dtype=args.kv_cache_dtype)
+        if args.compiled or args.compiled_only:
+            compiled_rounds = 1 if args.quick else 2
+            progress(f"vllm: compiled mode from a cold start, {compiled_rounds} run(s) per variant")
+            results["compiled"] = measure_compiled(compiled_rounds, variants, model_dir, Path(logs), progress,
+                                                   cpus=args.cpus)
     results.update(bench="vllm", quick=bool(args.quick), vllm=vllm_module.__version__, model=MODEL,
                    seconds=time.perf_counter() - started)
     for line in report_lines(results):
