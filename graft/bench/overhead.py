@@ -52,16 +52,9 @@ def add_arguments(parser) -> None:
 
 
 def _parse_sections(text):
-    from graft.errors import GraftConfigError
+    from graft.bench import choose
 
-    if text is None:
-        return list(SECTIONS)
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown or not chosen:
-        raise GraftConfigError(f"--only: unknown section(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-                               f"valid: {', '.join(SECTIONS)}")
-    return chosen
+    return choose(text, SECTIONS, "--only", "section(s)")
 
 
 def summarize(results: dict) -> dict:

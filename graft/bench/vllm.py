@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from graft.bench import choose
 from graft.errors import GraftConfigError
 
 VARIANTS = {
@@ -53,17 +54,6 @@ VARIANTS = {
 MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
 BASELINE = "without"
-
-
-def parse_list(text: str | None, valid, what: str) -> list:
-    if text is None:
-        return list(valid)
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in valid]
-    if unknown or not chosen:
-        raise GraftConfigError(f"--{what}: unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}; "
-                               f"valid: {', '.join(valid)}")
-    return chosen
 
 
 def build_model(model_dir: Path) -> Path:
@@ -346,8 +336,8 @@ def run(args) -> int:
     from graft.bench.vllm_engine import WORKLOADS
 
     check_vllm_runs()
-    variants = parse_list(args.variants, VARIANTS, "variants")
-    workloads = parse_list(args.workloads, WORKLOADS, "workloads")
+    variants = choose(args.variants, VARIANTS, "--variants", "variants")
+    workloads = choose(args.workloads, WORKLOADS, "--workloads", "workloads")
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
         raise GraftConfigError(f"--rounds must be >= 1, got {rounds}")
