@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from graft.bench import choose
 from graft.errors import GraftConfigError
@@ -51,7 +52,7 @@ VARIANTS = {
     "attention": {"GRAFT_VLLM_ATTENTION_OVERRIDE": "CPU_ATTN"},
     "attention_only": {"GRAFT_VLLM_OPS": "attention", "GRAFT_VLLM_ATTENTION_OVERRIDE": "CPU_ATTN"},
 }
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+MODEL: dict[str, Any] = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
 BASELINE = "without"
 
@@ -64,7 +65,8 @@ def build_model(model_dir: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.float32)
+    model: Any = LlamaForCausalLM(LlamaConfig(**MODEL))
+    model = model.to(torch.float32)
     model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(model_dir)
     return model_dir
@@ -187,8 +189,8 @@ def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs:
             ready = engine.read(timeout)
             results.setdefault("engines", {})[variant] = {k: ready[k] for k in ("engine_seconds",
                                                                                 "first_generate_seconds", "graft")}
-        samples = {w: {v: [] for v in variants} for w in workloads}
-        tokens = {w: {v: [] for v in variants} for w in workloads}
+        samples: dict[str, dict[str, list]] = {w: {v: [] for v in variants} for w in workloads}
+        tokens: dict[str, dict[str, list]] = {w: {v: [] for v in variants} for w in workloads}
         started = time.monotonic()
         for r in range(rounds):
             order = variants[r % len(variants):] + variants[: r % len(variants)]

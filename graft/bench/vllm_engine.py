@@ -131,8 +131,10 @@ def main(model_dir: str) -> int:
 
 
 def _reply(obj) -> None:
-    sys.__stdout__.write("GRAFT_BENCH " + json.dumps(obj) + "\n")
-    sys.__stdout__.flush()
+    out = sys.__stdout__  # the pipe to the bench, whatever vLLM did to sys.stdout
+    assert out is not None
+    out.write("GRAFT_BENCH " + json.dumps(obj) + "\n")
+    out.flush()
 
 
 if __name__ == "__main__":
