@@ -58,10 +58,13 @@ def test_engine_environment_per_variant(monkeypatch):
     env = bench.engine_env("without", {"profile": True})
     assert env["GRAFT_VLLM"] == "0" and "GRAFT_VLLM_OPS" not in env and "GRAFT_VLLM_ATTENTION_OVERRIDE" not in env
     assert env["GRAFT_CHECK_VALUES"] == "0" and json.loads(env["GRAFT_BENCH_ENGINE"]) == {"profile": True}
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     only = bench.engine_env("attention_only", {}, cpus="auto")
     assert only["GRAFT_VLLM_OPS"] == "attention" and only["GRAFT_VLLM_ATTENTION_OVERRIDE"] == "CPU_ATTN"
     assert only["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "GRAFT_VLLM" not in only
+    assert only["OMP_NUM_THREADS"] == "7"  # a binding of vLLM's sets its own thread count
 
 
 def test_workloads_are_the_issues_shapes():

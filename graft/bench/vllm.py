@@ -16,11 +16,13 @@ measured back to back (> 1: graft faster). Variants:
 * ``attention_only``: the same with graft serving nothing else (``GRAFT_VLLM_OPS=attention``):
   graft's attention against vLLM's, every other layer vLLM's own.
 
-Each engine runs its OpenMP threads on the cores ``--cpus`` names (vLLM's
-``VLLM_CPU_OMP_THREADS_BIND``; default ``0``: one thread on core 0). On a shared machine two
-threads that wait on each other at every parallel region turn any other process's time slice
-into a stall of both; one thread per engine keeps the comparison fair (``--cpus auto`` is
-vLLM's default binding).
+Each engine runs one OpenMP thread, bound to no core (``--cpus nobind``, the default: vLLM's
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` with ``OMP_NUM_THREADS=1``), so the OS runs it on whichever
+core is free. On a shared 2-core machine two threads that wait on each other at every parallel
+region turn any other process's time slice into a stall of both, and a thread bound to a core
+waits whenever another process holds that core (runs of one variant varied up to 5x either way).
+Any other ``--cpus`` value is passed to ``VLLM_CPU_OMP_THREADS_BIND`` (``auto``: vLLM's own
+binding, one thread per physical core; ``0-1``: both cores).
 
 Workloads (:data:`graft.bench.vllm_engine.WORKLOADS`): ``decode`` (16 prompts of 32 tokens,
 64 new tokens each; throughput = generated tokens/s) and ``prefill`` (8 prompts of 384 tokens,
@@ -161,17 +163,19 @@ class Engine:
         self.log.close()
 
 
-def engine_env(variant: str, options: dict, cpus: str = "0") -> dict:
+def engine_env(variant: str, options: dict, cpus: str = "nobind") -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GRAFT_VLLM") and k not in ("GRAFT_BENCH_ENGINE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(VARIANTS[variant], VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1",
                VLLM_CPU_OMP_THREADS_BIND=cpus, GRAFT_BENCH_ENGINE=json.dumps(options))
+    if cpus == "nobind":  # one thread, wherever the OS finds a free core
+        env["OMP_NUM_THREADS"] = "1"
     return env
 
 
 def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs: Path, progress, profile=False,
-            cpus: str = "0", kv_cache_dtype: str = "auto", timeout: float = 600.0) -> dict:
+            cpus: str = "nobind", kv_cache_dtype: str = "auto", timeout: float = 600.0) -> dict:
     from graft.bench.vllm_engine import WORKLOADS
 
     if BASELINE not in variants:
@@ -226,7 +230,7 @@ def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs:
     return results
 
 
-def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, progress, cpus: str = "0",
+def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, progress, cpus: str = "nobind",
                      timeout: float = 600.0) -> dict:
     """vLLM's compiled mode (``enforce_eager=False``) from a cold start: each run a fresh engine
     with an empty compile cache (its own ``VLLM_CACHE_ROOT``), timed to its engine build (which
@@ -313,9 +317,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="vLLM's kv_cache_dtype for every engine (fp8: graft's fp8 path against vLLM's own CPU "
                              "fp8 path; tokens then agree only as far as the two roundings to fp8 allow)")
-    parser.add_argument("--cpus", default="0",
-                        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default 0: one thread on core 0; auto: "
-                             "vLLM's own binding)")
+    parser.add_argument("--cpus", default="nobind",
+                        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind: one thread on no fixed "
+                             "core; auto: vLLM's own binding; 0-1: both cores)")
     parser.add_argument("--model-dir", default=None,
                         help="where the benchmark's model is built once (default: a folder under the temp dir)")
 
