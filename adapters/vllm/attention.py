@@ -292,6 +292,13 @@ class GraftAttentionImpl(AttentionImpl[GraftAttentionMetadata]):
             key = quantize_kv(key[:n], layer._k_scale, self.fp8).view(torch.uint8)
             value = quantize_kv(value[:n], layer._v_scale, self.fp8).view(torch.uint8)
         slots = slot_mapping.long()
+        if slots.device.type == "cpu" and not torch.compiler.is_compiling() and n and bool(slots.min() >= 0):
+            # The CPU (no CUDA graph to capture, reading a value is free) without padding, the
+            # usual eager step: one scatter per cache, none of the padding redirection below.
+            blocks, offsets = slots // block_size, slots % block_size
+            key_cache.index_put_((blocks, offsets), key[:n].to(key_cache.dtype))
+            value_cache.index_put_((blocks, offsets), value[:n].to(value_cache.dtype))
+            return
         keep = slots >= 0
         first = keep.int().argmax().view(1)  # first real token (0 if none), found on the device
         first_slot = slots.index_select(0, first).clamp(min=0)

@@ -36,7 +36,9 @@ TARGETS = {"op_overhead_us": 2.0, "real_call_delta_us": 2.0, "framework_step_rat
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["overhead"], help="the benchmark to run")
+    parser.add_argument("what", choices=["overhead", "vllm"],
+                        help="the benchmark to run (vllm: generation throughput in a real vLLM engine, "
+                             "see graft.bench.vllm)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes on 2 CPU cores)")
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     parser.add_argument("--only", metavar="SECTIONS", default=None,
@@ -45,19 +47,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backends", default="torch",
                         help="GRAFT_BACKENDS for the graft side (default torch: only graft's own cost is measured)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the multi-rank part may take")
+    from graft.bench import vllm
+
+    group = parser.add_argument_group("vllm")
+    vllm.add_arguments(group)
 
 
 def _parse_sections(text):
-    from graft.errors import GraftConfigError
+    from graft.bench import choose
 
-    if text is None:
-        return list(SECTIONS)
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown or not chosen:
-        raise GraftConfigError(f"--only: unknown section(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-                               f"valid: {', '.join(SECTIONS)}")
-    return chosen
+    return choose(text, SECTIONS, "--only", "section(s)")
 
 
 def summarize(results: dict) -> dict:
@@ -91,6 +90,10 @@ def summarize(results: dict) -> dict:
 
 
 def run(args) -> int:
+    if args.what == "vllm":
+        from graft.bench import vllm
+
+        return vllm.run(args)
     sections = _parse_sections(args.only)
     # Before graft reads its configuration (the bench processes start graft fresh).
     os.environ["GRAFT_BACKENDS"] = args.backends

@@ -239,7 +239,7 @@ def prefill_paged_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, s
 
 
 def torch_implementations():
-    """graft's torch backend of attention.prefill and prefill_paged (rank above the plain references)."""
+    """graft's torch backend of attention.prefill, prefill_paged and decode_paged (rank above the plain references)."""
     from graft.registry import Implementation
 
     devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
@@ -256,26 +256,25 @@ def torch_implementations():
                         "backend); reference for out-of-range lengths and block ids",
             devices=devices, priority=-50,
         ),
+        Implementation(
+            op="attention.decode_paged", backend="torch", fn=decode_paged_torch, provider="graft",
+            description="all sequences in one batched matmul/softmax over the used pages (gathered once, fp8 "
+                        "dequantised after the gather), shorter contexts masked",
+            devices=devices, priority=-50,
+        ),
     ]
-
-
-def _kv_scale(scale) -> float:
-    return float(scale.reshape(-1)[0]) if isinstance(scale, torch.Tensor) else float(scale)
 
 
 def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
                            k_scale=None, v_scale=None):
     scale = _scale_or_default(softmax_scale, query.shape[-1])
-    if key_cache.dtype in FP8_KV_DTYPES:  # dequantise, then the same fp32 math
-        key_cache = key_cache.float() * _kv_scale(k_scale)
-        value_cache = value_cache.float() * _kv_scale(v_scale)
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_size = key_cache.shape[1]
     capacity = block_tables.shape[1] * block_size
     out = torch.zeros_like(query)
     for s, n in enumerate(seq_lens.tolist()):
         n = min(max(n, 0), capacity)  # out-of-range lengths (value checks off) are clamped
         # Tokens of a table entry outside [0, num_blocks) are skipped (see the module doc).
-        context = _paged_context(key_cache, value_cache, block_tables[s], n) if n else None
+        context = _paged_context(key_cache, value_cache, block_tables[s], n, k_scale, v_scale) if n else None
         if context is None:
             continue
         k, v, _ = context
@@ -283,23 +282,109 @@ def decode_paged_reference(query, key_cache, value_cache, block_tables, seq_lens
     return out
 
 
-def _paged_context(key_cache, value_cache, table_row, n):
+def _blocks_of(cache, blocks, scale):
+    """``cache[blocks]``; an fp8 cache is indexed as bytes (torch's CPU indexing takes no fp8
+    dtype) and dequantised (``.float() * scale``) after the gather: only the pages read."""
+    if cache.dtype not in FP8_KV_DTYPES:
+        return cache[blocks]
+    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)  # a tensor: no host read
+    return cache.view(torch.uint8)[blocks].view(cache.dtype).float() * scale
+
+
+def _paged_context(key_cache, value_cache, table_row, n, k_scale=None, v_scale=None):
     """Sequence keys/values of the first ``n`` cache tokens of one table row, without the
     tokens of entries outside [0, num_blocks): (k, v, their positions or None when none is
-    skipped), or None if no token is left."""
+    skipped), or None if no token is left. fp8 caches come back dequantised (fp32)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     blocks = table_row[: (n + block_size - 1) // block_size].long()
     block_ok = (blocks >= 0) & (blocks < num_blocks)
     if bool(block_ok.all()):  # the usual case: no masking needed
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n]
-        return k, value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n], None
+        k = _blocks_of(key_cache, blocks, k_scale).reshape(-1, num_kv_heads, head_dim)[:n]
+        return k, _blocks_of(value_cache, blocks, v_scale).reshape(-1, num_kv_heads, head_dim)[:n], None
     ok = block_ok.repeat_interleave(block_size)[:n]
     if not bool(ok.any()):
         return None
     blocks = blocks.clamp(0, num_blocks - 1)
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    k = _blocks_of(key_cache, blocks, k_scale).reshape(-1, num_kv_heads, head_dim)[:n][ok]
+    v = _blocks_of(value_cache, blocks, v_scale).reshape(-1, num_kv_heads, head_dim)[:n][ok]
     return k, v, torch.arange(n, device=key_cache.device)[ok]
+
+
+def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, softmax_scale=None, num_splits=0,
+                       k_scale=None, v_scale=None):
+    """graft's torch backend of attention.decode_paged: every sequence at once, no Python loop
+    over them. The tokens up to the longest context are gathered out of their pages with one
+    index per cache, straight into the ``[seqs, kv_heads, tokens, head_dim]`` layout the
+    batched matmuls take (an fp8 cache as bytes, dequantised after the gather), so the work
+    grows with the batch's contexts, never with the cache; shorter contexts and the tokens of
+    out-of-range table entries are masked out of the softmax. fp32 math as the reference
+    (``num_splits`` changes nothing here: one pass). One host read: the longest context."""
+    scale = _scale_or_default(softmax_scale, query.shape[-1])
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    capacity = block_tables.shape[1] * block_size
+    lens = seq_lens.clamp(0, capacity)  # out-of-range lengths (value checks off) are clamped
+    longest = int(lens.max()) if num_seqs else 0
+    if longest == 0 or num_blocks == 0:  # no token to attend to: zero rows
+        return torch.zeros_like(query)
+    device = query.device
+    pos = torch.arange(longest, device=device)
+    blocks = block_tables[:, pos // block_size].long()  # [N, tokens]
+    visible = (pos[None, :] < lens[:, None]) & (blocks >= 0) & (blocks < num_blocks)
+    blocks = blocks.clamp(0, num_blocks - 1)  # masked tokens read a valid block, never outside the cache
+    slots = pos % block_size
+    k = _tokens_of(key_cache, blocks, slots, k_scale)  # [N, KVH, tokens, D]
+    v = _tokens_of(value_cache, blocks, slots, v_scale)
+    group = num_heads // num_kv_heads
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [N, KVH, group, tokens]: GQA without repeating K/V
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    # A row that sees no key (all masked, or every key -inf) outputs zeros, as in the reference.
+    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+    return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _tokens_of(cache, blocks, slots, scale):
+    """``cache`` ([num_blocks, block_size, kv_heads, D]) at the tokens (``blocks`` [N, tokens],
+    ``slots`` [tokens]) of every kv head, as fp32 ``[N, kv_heads, tokens, D]``; an fp8 cache
+    gathered as bytes (torch's CPU indexing takes no fp8 dtype), then dequantised."""
+    raw = cache.view(torch.uint8) if cache.dtype in FP8_KV_DTYPES else cache
+    heads = torch.arange(raw.shape[2], device=raw.device)
+    s_block, s_slot, s_head, s_dim = raw.stride()
+    row = math.gcd(math.gcd(s_block, s_slot), s_head)
+    if s_dim == 1 and row > 0 and min(s_block, s_slot, s_head) >= 0:
+        # Every (block, slot, head) starts a run of D contiguous elements at a multiple of
+        # ``row``: over the storage seen as rows ``row`` apart, one index_select copies whole
+        # rows (vLLM's strided views included), about twice as fast as advanced indexing,
+        # which computes an offset per element.
+        offsets = (blocks[:, None, :] * (s_block // row) + heads[None, :, None] * (s_head // row)
+                   + slots * (s_slot // row))
+        last = sum((n - 1) * st for n, st in zip(raw.shape[:3], (s_block, s_slot, s_head))) // row
+        rows = raw.as_strided((last + 1, raw.shape[3]), (row, 1))
+        out = rows.index_select(0, offsets.flatten()).view(*offsets.shape, raw.shape[3])
+    else:
+        out = raw.permute(0, 2, 1, 3)[blocks[:, None, :], heads[None, :, None], slots]
+    if raw is cache:
+        return out.float()
+    # Dequantised through a 256-entry table of the format's values times the scale (the same
+    # fp32 product as ``.float() * scale``, NaN codes included): torch's CPU fp8 -> fp32
+    # conversion is elementwise scalar code, several times slower than this lookup.
+    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)
+    values = _fp8_values(cache.dtype, cache.device) * scale
+    return values.index_select(0, out.flatten().int()).view(out.shape)
+
+
+_FP8_VALUES: dict = {}
+
+
+def _fp8_values(dtype, device) -> torch.Tensor:
+    """fp32 value of each of the 256 codes of an fp8 format (index = the byte)."""
+    key = (dtype, device)
+    if key not in _FP8_VALUES:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _FP8_VALUES[key] = codes.view(dtype).float().to(device)
+    return _FP8_VALUES[key]
 
 
 def prefill_paged_reference(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
