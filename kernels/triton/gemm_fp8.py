@@ -37,7 +37,7 @@ from graft.kernels.triton._gemm_common import (
     tile_constexprs,
     tile_coords,
 )
-from graft.platform import triton_interpret
+from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
 SCALE_BLOCK = 128  # DeepSeek-V3's block: 128 K per activation scale, 128x128 per weight scale
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
@@ -159,6 +159,8 @@ def fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
 def check(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
     if x_q.dtype != w_q.dtype:
         return f"x_q is {x_q.dtype} but w_q is {w_q.dtype}: the fp8 MMA takes one format"
+    if x_q.device.type == "cuda":  # the interpreter runs both flavours exactly
+        return fp8_flavour_reason(x_q.dtype, device_info(x_q.device).arch)
     return None
 
 

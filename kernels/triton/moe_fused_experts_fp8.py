@@ -26,7 +26,7 @@ from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
 from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
-from graft.platform import triton_interpret
+from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -190,9 +190,15 @@ def _call(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, acti
     return fused_experts_fp8_triton(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation)
 
 
+def check(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation="silu"):
+    if w13_q.device.type == "cuda":  # the interpreter runs both flavours exactly
+        return fp8_flavour_reason(w13_q.dtype, device_info(w13_q.device).arch)
+    return None
+
+
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES,
+        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES, check=check,
         description="fp8 block-scaled grouped expert GEMMs (DeepSeek-V3 style), grouped tile order, ordered combine",
     ))
 
