@@ -268,7 +268,8 @@ def _aot_variants():
             blocks, options = split_tiles(base)
             flags = dict(GROUP=4, CAUSAL=causal, BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
             for kernel in (_dkdv_kernel, _dq_kernel):
-                yield variant(kernel, flags, pointer=f"*{name}", options=options, targets=(target,), **ints)
+                yield variant(kernel, flags, pointer=f"*{name}", options=options, targets=(target,),
+                              values=dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_dod=1), **ints)
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -171,6 +171,14 @@ def register(registry) -> None:
     ))
 
 
+# Contiguous fp8 activations [M, K] and weight [N, K], contiguous output; DeepSeek-V3's
+# 128x128 block scales at K = 7168: x_scale [M, 56] and w_scale [N/128, 56] (56: no
+# divisibility hint, as at that launch); row scales [M, 1] and [N, 1].
+BLOCK_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1, stride_xs_m=56, stride_xs_g=1, stride_ws_n=56,
+                     stride_ws_g=1)
+ROW_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1, stride_xs_m=1, stride_xs_g=0, stride_ws_n=1, stride_ws_g=0)
+
+
 def _aot_variants():
     """Every M bucket's plan per target (N=K=4096), block and row scales; fp8 e4m3 is
     ``fp8e4nv`` on sm_90, the fnuz ``fp8e4b8`` on gfx942 (MI300's native format)."""
@@ -187,6 +195,7 @@ def _aot_variants():
                 flags = dict(BLOCKWISE=blockwise, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
                              **tile_constexprs(cfg))
                 yield variant(_fp8_kernel, flags, pointer="*bf16", options=launch_options(cfg), targets=(target,),
+                              values=BLOCK_STRIDES if blockwise else ROW_STRIDES,
                               x_ptr=fp8_type[target], w_ptr=fp8_type[target], xs_ptr="*fp32", ws_ptr="*fp32")
 
 

@@ -161,6 +161,11 @@ def aot_plans(target: str, dtype: torch.dtype):
     return list(seen.values())
 
 
+# A launch on a model's activations and nn.Linear weight (read as weight.T): K contiguous in
+# both operands, N in the output; the JIT makes those unit strides constants (vector loads).
+UNIT_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1)
+
+
 def _aot_variants():
     """Every plan per target and dtype (the first: bf16, the quick one); bf16 with every
     activation on the prefill tile; fp32 with TF32 and IEEE."""
@@ -186,7 +191,7 @@ def _aot_variants():
                         flags = dict(HAS_BIAS=True, ACTIVATION=act, SPLIT_K=split, UPCAST=False, PRECISION=precision,
                                      **tile_constexprs(cfg))
                         yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
-                                      targets=(target,))
+                                      targets=(target,), values=UNIT_STRIDES)
     yield from reduce_aot_variants()
 
 

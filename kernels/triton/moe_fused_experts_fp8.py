@@ -25,6 +25,8 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
 from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.kernels.triton.moe_fused_experts import DOWN_VALUES as _DOWN_VALUES
+from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VALUES
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
 from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
@@ -203,6 +205,12 @@ def register(registry) -> None:
     ))
 
 
+# DeepSeek-V3 (see moe_fused_experts.GATE_UP_VALUES) with fp8 weights and 128x128 block
+# scales: activation scales [T, 56] and [slots, 16], weight scales [E, 32, 56] and [E, 56, 16].
+GATE_UP_FP8_VALUES = dict(_GATE_UP_VALUES, stride_xst=56, stride_xsg=1, stride_se=32 * 56, stride_sn=56, stride_sg=1)
+DOWN_FP8_VALUES = dict(_DOWN_VALUES, stride_ass=16, stride_asg=1, stride_se=56 * 16, stride_sh=16, stride_sg=1)
+
+
 def _aot_variants():
     """Per target: both GEMMs for the "large" and "small" tiles, bf16 activations; fp8 e4m3
     is fp8e4nv on sm_90 and the fnuz fp8e4b8 on gfx942."""
@@ -214,10 +222,10 @@ def _aot_variants():
             blocks, options = split_tiles(table[size])
             flags = dict(UPCAST=False, BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"], GROUP_M=blocks["GROUP_M"])
             yield variant(_gate_up_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer="*bf16",
-                          options=options, targets=(target,), x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
+                          options=options, targets=(target,), values=GATE_UP_FP8_VALUES, x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
                           **routing)
             yield variant(_down_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer="*bf16", options=options,
-                          targets=(target,), a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
+                          targets=(target,), values=DOWN_FP8_VALUES, a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
                           slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
 
 
