@@ -34,23 +34,16 @@ PREFERENCES = {
         source="issue 10 review: the HIP kernel dequantizes the whole weight then calls torch.matmul (an extra "
                "full-size write and read of the weight per call), graft's Triton kernel dequantizes in the GEMM's "
                "tiles; to be confirmed by GPU measurement"),
-    # The HIP small-op kernels load one scalar per thread per step (no 128-bit vector loads, no
-    # multiple rows per block); the Triton ones load whole rows as blocked vectors. Until a GPU
-    # measurement says otherwise, Triton first.
-    "fused.rms_norm": Preference(
-        order=("triton", "hip"), devices=("cuda",),
-        source="issue 24 review: the HIP kernel loads scalars per thread (no vector loads); graft's Triton kernel "
-               "loads whole rows as blocked vectors; to be confirmed by GPU measurement"),
-    "fused.silu_and_mul": Preference(
-        order=("triton", "hip"), devices=("cuda",),
-        source="issue 24 review: the HIP kernel loads scalars per thread (no vector loads); graft's Triton kernel "
-               "streams blocked vectors; to be confirmed by GPU measurement"),
-    "moe.topk_routing": Preference(
-        order=("triton", "hip"), devices=("cuda",),
-        source="issue 24 review: the HIP kernel is one thread per token with scalar loads of its expert scores; "
-               "graft's Triton kernel reads a block of tokens' scores as vectors; to be confirmed by GPU "
-               "measurement"),
 }
+# The HIP small-op kernels load one scalar per thread per step (no 128-bit vector loads, no
+# several rows per block); the Triton ones load blocked vectors. Until a GPU measurement says
+# otherwise, Triton first.
+PREFERENCES.update({op: Preference(
+    order=("triton", "hip"), devices=("cuda",),
+    source=f"issue 24 review: the HIP kernel loads {what} as scalars per thread (no vector loads); graft's Triton "
+           f"kernel loads them as blocked vectors; to be confirmed by GPU measurement")
+    for op, what in (("fused.rms_norm", "each row"), ("fused.silu_and_mul", "gate and up"),
+                     ("moe.topk_routing", "each token's expert scores"))})
 
 
 def apply(op: str, device_type: str, order: tuple) -> tuple:

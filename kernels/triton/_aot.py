@@ -20,8 +20,11 @@ shapes; also the case that pipelines deepest and needs the most shared memory), 
 target (its quick one, ``--quick``) is also compiled unaligned (odd ints), the other
 specialisation a launch can hit.
 
-Per variant it prints shared memory, registers and spills, and fails when shared memory
-or registers exceed the target's limits (:data:`LIMITS`). :func:`uncovered` names every
+Per variant it prints shared memory, registers, spills and the fast paths the code uses
+(:func:`fast_paths`: wgmma / mma.sync / MFMA, TMA / 16-byte copies), and fails when shared
+memory or registers exceed the target's limits (:data:`LIMITS`), when it spills (unless the
+variant's ``accept_spills`` gives the reason), or when its code regresses to scalar
+(:func:`fast_path_problems`). Run it with the GPU image's Triton (3.6: ``PYTHONPATH=.venv-triton36``). :func:`uncovered` names every
 ``@triton.jit`` function of graft.kernels.triton that no variant compiles, directly or as
 a callee, so a new kernel cannot be left out. Exit status 1 on any failure or gap.
 
@@ -70,7 +73,7 @@ class AotVariant:
     options: dict = field(default_factory=dict)  # num_warps, num_stages
     targets: tuple = tuple(TARGETS)
     values: dict = field(default_factory=dict)  # example values of int arguments (default ALIGNED_INT)
-    accept_spills: dict = field(default_factory=dict)  # target -> why spills there are accepted
+    accept_spills: dict = field(default_factory=dict)  # target (or "<target> unaligned") -> why spills are accepted
 
     @property
     def name(self) -> str:
@@ -85,13 +88,15 @@ def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=
     (sizes, strides); float scalars must be named in ``types`` (``eps="fp32"``). ``values``
     gives example values of int arguments where the default (a multiple of 16) is not what
     a launch passes, e.g. ``stride_d=1`` for a unit stride (the JIT makes it a constant).
-    ``accept_spills``: target -> the reason spills there are accepted (else a spill fails)."""
+    ``accept_spills``: target -> the reason spills there are accepted (else a spill fails);
+    ``"<target> unaligned"`` accepts them in the unaligned specialisation only."""
     unknown = (set(constexprs) | set(types) | set(values or {})) - set(kernel.arg_names)
     if unknown:
         raise TypeError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
-    bad = set(accept_spills or {}) - set(TARGETS)
+    bad = set(accept_spills or {}) - set(TARGETS) - {f"{t} unaligned" for t in TARGETS}
     if bad:
-        raise TypeError(f"accept_spills names unknown target(s) {sorted(bad)}; targets are {sorted(TARGETS)}")
+        raise TypeError(f"accept_spills names unknown target(s) {sorted(bad)}; keys are a target of "
+                        f"{sorted(TARGETS)}, optionally followed by ' unaligned'")
     return AotVariant(kernel, dict(constexprs), dict(types), pointer, dict(options or {}),
                       tuple(targets or TARGETS), dict(values or {}), dict(accept_spills or {}))
 
@@ -508,7 +513,7 @@ def compile_all(targets=tuple(TARGETS), quick: bool = False, log=None, selected=
             if cache is not None:
                 cache[keys[i]] = {k: found[k] for k in RECORDED} | {"name": name, "target": target,
                                                                     "triton": triton_version()}
-            accepted = v.accept_spills.get(target)
+            accepted = v.accept_spills.get(target) or (None if aligned else v.accept_spills.get(f"{target} unaligned"))
             usage = (f"shared={found['shared']:>6} regs={found['regs']:>3} spills={found['spills']:>4} "
                      f"mma={found['mma'] or '-':<8} copy={found['copy']:<10} ")
             problems = over_limits(found, target, accepted) + fast_path_problems(found, v, target, aligned)
