@@ -93,7 +93,7 @@ def _fp8_kernel(
         xs = tl.load(xs_rows, mask=row_ok, other=0.0)
         ws = tl.load(ws_ptr + cols.to(tl.int64) * stride_ws_n, mask=col_ok, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
-    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K)
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K, False)
 
 
 def _scale_strides(scale: torch.Tensor, blockwise: bool) -> tuple[int, int]:

@@ -111,7 +111,7 @@ def _w4a16_kernel(
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
         x_ptrs += x_step
         q_ptrs += q_step
-    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K)
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K, False)
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, group_size: int, split_k: Optional[int] = None,
