@@ -151,7 +151,7 @@ def _down_kernel(
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
     out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -167,8 +167,15 @@ def _combine_kernel(
         # A skipped id (-1: another rank's expert; out of range) has no slot row: it adds nothing.
         expert = tl.full([BLOCK_H], 0, tl.int32) + tl.load(ids_ptr + token * stride_it + j * stride_ik)
         used = (expert >= 0) & (expert < num_experts)
-        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0)
+        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def slot_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The per-slot expert outputs (weighted, summed per token in fp32 by the combine): bf16
+    for bf16 activations (half the bytes of the slot round trip, one rounding per slot as
+    vLLM's fused_moe); fp32 otherwise (fp16's range could overflow a slot the sum stays within)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def launch_config(num_slots: int, num_experts: int, device, dtype: torch.dtype) -> dict:
@@ -220,7 +227,7 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     # keep them in fp32 and run GEMM 2 as TF32 (fp16's mantissa, fp32's range).
     act_f32 = hidden.dtype == torch.float16
     act = torch.empty((num_slots, inter), dtype=torch.float32 if act_f32 else hidden.dtype, device=device)
-    slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
+    slot_out = torch.empty((num_slots, hidden_size), dtype=slot_dtype(hidden.dtype), device=device)
     flags = dict(
         **dot_flags(hidden.dtype, device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -304,9 +311,10 @@ def _aot_variants():
                               slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
             else:
                 yield variant(_down_kernel, down, pointer=f"*{name}", options=options, targets=(target,),
-                              values=DOWN_VALUES, slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                              values=DOWN_VALUES, slot_out_ptr=f"*{'bf16' if name == 'bf16' else 'fp32'}",
+                          weights_ptr="*fp32", **routing)
     for name, block_h in (("bf16", COMBINE_BLOCK_H), ("fp32", 64)):
-        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32", ids_ptr="*i32",
+        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr=f"*{name}", ids_ptr="*i32",
                       values=COMBINE_VALUES)
 
 

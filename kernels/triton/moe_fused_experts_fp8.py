@@ -28,6 +28,7 @@ from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_P
 from graft.kernels.triton.moe_fused_experts import DOWN_VALUES as _DOWN_VALUES
 from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VALUES
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
+from graft.kernels.triton.moe_fused_experts import slot_dtype
 from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
 OP = "moe.fused_experts_fp8"
@@ -123,7 +124,7 @@ def _down_fp8_kernel(
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
     out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def launch_config(num_slots: int, num_experts: int, device) -> dict:
@@ -163,7 +164,7 @@ def _fused_experts_fp8(
             BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, GROUP_M=group_m, **flags,
         )  # fmt: skip
         a_q, a_s = quantize_act(act, w2_q.dtype)
-        slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+        slot_out = torch.empty((num_slots, hidden_size), dtype=slot_dtype(hidden.dtype), device=hidden.device)
         n_tiles = triton.cdiv(hidden_size, block_n)
         _down_fp8_kernel[(max_blocks * n_tiles,)](
             a_q, a_s, w2_q, w2_scale, slot_out, topk_weights, sorted_ids, expert_ids, post_pad,
@@ -226,7 +227,7 @@ def _aot_variants():
                           **routing)
             yield variant(_down_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer="*bf16", options=options,
                           targets=(target,), values=DOWN_FP8_VALUES, a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
-                          slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                          slot_out_ptr="*bf16", weights_ptr="*fp32", **routing)
 
 
 AOT_VARIANTS = list(_aot_variants())
