@@ -32,8 +32,19 @@ impossible, e.g. a baseline with host syncs, noted per result) and the implement
 a case are replayed in interleaved rounds; the median over rounds per call is reported,
 and ratios are baseline median / graft median (> 1: graft is faster). Value checks are
 off (``GRAFT_CHECK_VALUES=0``): each one is a device sync. Every case runs in try/except
-(its error recorded), a global time budget skips what is left (recorded as skipped), and
-each finished case prints one progress line. Writes ``kernels-<tag>.json`` and ``.html``.
+(its error recorded), and each finished case prints one progress line.
+
+Roofline: each case carries the bytes and FLOPs it must move; on a target of
+:data:`ROOFLINES` (from the GPU's name or ``--target``) its ideal time is the larger of
+bytes / peak bandwidth and FLOPs / peak MMA rate (8-bit cases at the 8-bit rate), and every
+timed implementation gets its "fraction of the limit" (ideal / measured) beside the ratio.
+
+Order and budget: cases run by tier (0: per family the most informative, then 1, then 2),
+families taking turns inside a tier; a case starts only when its family's longest case so
+far still fits ``--budget-s`` (the rest are recorded as skipped). The report holds the whole
+plan from the start (``pending`` until run) and is rewritten after every case, by write and
+rename; SIGTERM/SIGINT mark the case in flight ``killed`` and write it before exiting.
+Writes ``kernels-<tag>.json`` and ``.html``; ``--dry-run`` prints the plan.
 """
 from __future__ import annotations
 
