@@ -28,10 +28,14 @@ def _script_env(tmp_path, python, extra_args, **env):
 
 
 def _copy_tree(dest: Path) -> Path:
-    """This checkout's files (tracked and new, not ignored) without its environments."""
-    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.split(b"\0")
-    for name in filter(None, files):
+    """This checkout's files (tracked and new, not ignored; without git: all but the
+    environments and build outputs)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        skip = shutil.ignore_patterns(".venv*", ".git", "build", "__pycache__", "*.egg-info", "*.so", "benchmarks")
+        shutil.copytree(ROOT, dest, symlinks=True, ignore=skip)
+        return dest
+    for name in filter(None, listed.stdout.split(b"\0")):
         src, dst = ROOT / os.fsdecode(name), dest / os.fsdecode(name)
         if not src.exists() and not src.is_symlink():
             continue  # deleted in the working tree
