@@ -56,6 +56,25 @@ def arch_generation(arch: str) -> str:
     return "cpu" if arch == "cpu" else "unknown"
 
 
+# The fp8 e4m3 flavour each architecture's MMAs take. MI300 (gfx940-gfx942) has AMD's fnuz
+# e4m3 only: OCP float8_e4m3fn there compiles to bf16 MFMAs on converted operands (slower, and
+# spilling at the GEMM tiles). NVIDIA (sm_89, sm_90) has OCP e4m3fn only: fnuz does not lower
+# and the launch raises. Later AMD parts (gfx950) take OCP e4m3fn, so only these are fnuz-only.
+FNUZ_ONLY_ARCHS = ("gfx940", "gfx941", "gfx942")
+
+
+def fp8_flavour_reason(dtype: torch.dtype, arch: str) -> str | None:
+    """Why ``dtype`` is the wrong fp8 e4m3 flavour for ``arch`` (None: it is the right one,
+    or the architecture takes both, like the CPU interpreter)."""
+    if dtype == torch.float8_e4m3fn and arch in FNUZ_ONLY_ARCHS:
+        return (f"{dtype} on {arch}: its MMAs take torch.float8_e4m3fnuz (e4m3fn would run as bf16 MFMAs "
+                f"on converted operands); quantise to torch.float8_e4m3fnuz")
+    if dtype == torch.float8_e4m3fnuz and arch.startswith("sm_"):
+        return (f"{dtype} on {arch}: NVIDIA fp8 MMAs take torch.float8_e4m3fn (OCP) and fnuz does not "
+                f"compile there; quantise to torch.float8_e4m3fn")
+    return None
+
+
 def is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 

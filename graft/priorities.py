@@ -35,6 +35,15 @@ PREFERENCES = {
                "full-size write and read of the weight per call), graft's Triton kernel dequantizes in the GEMM's "
                "tiles; to be confirmed by GPU measurement"),
 }
+# The HIP small-op kernels load one scalar per thread per step (no 128-bit vector loads, no
+# several rows per block); the Triton ones load blocked vectors. Until a GPU measurement says
+# otherwise, Triton first.
+PREFERENCES.update({op: Preference(
+    order=("triton", "hip"), devices=("cuda",),
+    source=f"issue 24 review: the HIP kernel loads {what} as scalars per thread (no vector loads); graft's Triton "
+           f"kernel loads them as blocked vectors; to be confirmed by GPU measurement")
+    for op, what in (("fused.rms_norm", "each row"), ("fused.silu_and_mul", "gate and up"),
+                     ("moe.topk_routing", "each token's expert scores"))})
 
 
 def apply(op: str, device_type: str, order: tuple) -> tuple:

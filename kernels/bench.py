@@ -32,8 +32,19 @@ impossible, e.g. a baseline with host syncs, noted per result) and the implement
 a case are replayed in interleaved rounds; the median over rounds per call is reported,
 and ratios are baseline median / graft median (> 1: graft is faster). Value checks are
 off (``GRAFT_CHECK_VALUES=0``): each one is a device sync. Every case runs in try/except
-(its error recorded), a global time budget skips what is left (recorded as skipped), and
-each finished case prints one progress line. Writes ``kernels-<tag>.json`` and ``.html``.
+(its error recorded), and each finished case prints one progress line.
+
+Roofline: each case carries the bytes and FLOPs it must move; on a target of
+:data:`ROOFLINES` (from the GPU's name or ``--target``) its ideal time is the larger of
+bytes / peak bandwidth and FLOPs / peak MMA rate (8-bit cases at the 8-bit rate), and every
+timed implementation gets its "fraction of the limit" (ideal / measured) beside the ratio.
+
+Order and budget: cases run by tier (0: per family the most informative, then 1, then 2),
+families taking turns inside a tier; a case starts only when its family's longest case so
+far still fits ``--budget-s`` (the rest are recorded as skipped). The report holds the whole
+plan from the start (``pending`` until run) and is rewritten after every case, by write and
+rename; SIGTERM/SIGINT mark the case in flight ``killed`` and write it before exiting.
+Writes ``kernels-<tag>.json`` and ``.html``; ``--dry-run`` prints the plan.
 """
 from __future__ import annotations
 
@@ -68,6 +79,16 @@ MOE_T = (1, 64, 1024, 8192)
 FUSED_T = (1, 256, 4096, 16384)
 FUSED_H = (4096, 7168, 8192)
 
+# Roofline per target: (HBM bytes/s, dense MMA FLOP/s per operand class). The 8-bit classes
+# (fp8, int8) run twice the 16-bit rate on both. Vendor peak figures: a kernel's "fraction
+# of the limit" is its ideal time (bytes at full bandwidth or FLOPs at full MMA rate, the
+# larger) over its measured time.
+ROOFLINES = {
+    "h200": {"bandwidth": 4.8e12, "flops": {"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}},
+    "mi300x": {"bandwidth": 5.3e12, "flops": {"bf16": 1307e12, "fp8": 2615e12, "int8": 2615e12}},
+}
+INT_MM_MIN_M = 17  # torch._int_mm (cuBLASLt / hipBLASLt int8) refuses M <= 16
+
 DENSE_MOE_MAX_FLOPS = 2e14  # the dense all-experts baseline past this takes seconds per call
 BASELINE_MAX_BYTES = 16 << 30  # skip a baseline whose extra inputs would take more memory
 TARGET_GRAPH_S = 2e-3  # calls per captured graph: about this long per replay
@@ -82,6 +103,7 @@ class Case:
     tier: int = 1  # tier 0 runs first, so a budget cut drops the tail, not whole families
     flops: float = 0.0
     bytes: float = 0.0
+    mma: str = "bf16"  # operand class of the FLOPs (roofline): bf16 | fp8 | int8
 
 
 @dataclass
@@ -89,7 +111,7 @@ class Result:
     family: str
     name: str
     params: dict
-    status: str = "ok"  # ok | error | skipped
+    status: str = "ok"  # ok | error | skipped (budget) | pending (not reached yet) | killed (stopped mid-case)
     note: str = ""
     timings: dict = field(default_factory=dict)  # label -> {"median_s", "mode", "inner", ...} or {"error"}
     ratios: dict = field(default_factory=dict)  # "graft_label vs baseline_label" -> baseline/graft
@@ -97,6 +119,8 @@ class Result:
     flops: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
+    tier: int = 1
+    roofline: dict = field(default_factory=dict)  # target, ideal_s, bound, and per graft label the fraction of it
 
 
 # --------------------------------------------------------------------------- cases
@@ -166,8 +190,21 @@ def _gemm_cases(quick: bool, backends) -> list:
             w_q, ws = quant.quantize_per_channel_int8(_randn((n, k), device, torch.float32, gen))
             args = (x_q, w_q, xs, ws, None, dtype)
             wt = w_q.t()
-            return graft_impls("gemm.w8a8", args, backends), {
-                "torch._int_mm+scales": lambda: (torch._int_mm(x_q, wt).float() * xs * ws).to(dtype)}
+            if m >= INT_MM_MIN_M:
+                base = {"torch._int_mm+scales": lambda: (torch._int_mm(x_q, wt).float() * xs * ws).to(dtype)}
+            else:
+                # _int_mm refuses these M: what a framework does there is pad the rows (the copy
+                # is part of its cost), or keep a bf16 copy of the weight
+                rows = torch.zeros((32, k), device=device, dtype=torch.int8)
+                w_bf16 = (w_q.float() * ws.reshape(n, 1)).to(dtype)
+                x_bf16 = (x_q.float() * xs).to(dtype)
+
+                def padded():
+                    rows[:m].copy_(x_q)
+                    return (torch._int_mm(rows, wt)[:m].float() * xs * ws).to(dtype)
+                base = {"torch._int_mm(rows padded to 32)+scales": padded,
+                        "torch.matmul(bf16 weight)": lambda: torch.matmul(x_bf16, w_bf16.t())}
+            return graft_impls("gemm.w8a8", args, backends), base
         return build
 
     def fp8(m, n, k, blockwise):
@@ -216,16 +253,21 @@ def _gemm_cases(quick: bool, backends) -> list:
     cases = []
     for n, k in shapes:
         for m in ms:
-            tier = 0 if (n, k) in ((4096, 4096), (28672, 4096), (64, 96)) and m in (1, 16, 128, 4096, 33) else 1
+            # tier 0: per GEMM kind one decode M and one large M on the widest Llama-3-8B
+            # projection; tier 1: the rest of the 8B shapes at the common M; tier 2: the rest
+            big = (n, k) in ((28672, 4096), (64, 96))
+            tier = 0 if big and m in (16, 4096, 33) else 1 if (n, k) in LLAMA_8B_NK + ((64, 96),) and m in (
+                1, 16, 128, 4096) else 2
             flops, shape = 2.0 * m * n * k, dict(M=m, N=n, K=k)
-            for op, build, nbytes in (
-                ("linear_bf16", linear(m, n, k), 2 * (m * k + n * k + m * n)),
-                ("w8a8", w8a8(m, n, k), m * k + n * k + 2 * m * n),
-                ("fp8_tensor", fp8(m, n, k, False), m * k + n * k + 2 * m * n),
-                ("fp8_block", fp8(m, n, k, True), m * k + n * k + 2 * m * n),
-                ("w4a16_gptq", w4a16(m, n, k), 2 * m * k + n * k / 2 + 2 * m * n),
+            groups = k // 128 if k % 128 == 0 else 1
+            for op, build, nbytes, mma in (
+                ("linear_bf16", linear(m, n, k), 2 * (m * k + n * k + m * n), "bf16"),
+                ("w8a8", w8a8(m, n, k), m * k + n * k + 2 * m * n + 4 * (m + n), "int8"),
+                ("fp8_tensor", fp8(m, n, k, False), m * k + n * k + 2 * m * n, "fp8"),
+                ("fp8_block", fp8(m, n, k, True), m * k + n * k + 2 * m * n + 4 * (m + -(-n // 128)) * groups, "fp8"),
+                ("w4a16_gptq", w4a16(m, n, k), 2 * m * k + n * k / 2 + 2 * m * n + 2.5 * groups * n, "bf16"),
             ):
-                cases.append(Case("gemm", f"{op}_m{m}_n{n}_k{k}", dict(shape, op=op), build, tier, flops, nbytes))
+                cases.append(Case("gemm", f"{op}_m{m}_n{n}_k{k}", dict(shape, op=op), build, tier, flops, nbytes, mma))
     return cases
 
 
@@ -269,7 +311,7 @@ def _prefill_cases(quick: bool, backends) -> list:
     cases = []
     for name, lens in table.items():
         pairs = sum(n * (n + 1) // 2 for n in lens)
-        tier = 0 if name in ("ragged_4k", "ragged_16k", "ragged_tiny") else 1
+        tier = 0 if name in ("ragged_16k", "ragged_tiny") else 1 if name == "ragged_4k" else 2
         cases.append(Case("prefill", name, dict(seq_lens=list(lens), heads=f"{hq}/{hkv}", head_dim=d, causal=True),
                           build_for(lens), tier, 4.0 * pairs * hq * d, 2.0 * sum(lens) * (hq + 2 * hkv + hq) * d))
     return cases
@@ -328,7 +370,7 @@ def _prefill_paged_cases(quick: bool, backends) -> list:
     for name, (new, ctx) in table.items():
         seq = [n + c for n, c in zip(new, ctx)]
         pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new, ctx))
-        tier = 0 if name in ("b4_q512_ctx4k", "tiny") else 1
+        tier = 0 if name in ("b4_q512_ctx4k", "tiny") else 2
         cases.append(Case("prefill_paged", name, dict(new=list(new), context=list(ctx), heads=f"{hq}/{hkv}",
                                                       head_dim=d, block_size=block, causal=True),
                           build_for(new, ctx), tier, 4.0 * pairs * hq * d,
@@ -418,13 +460,13 @@ def _decode_cases(quick: bool, backends) -> list:
 
     cases = []
     for batch, ctx in grid:
-        tier = 0 if (batch, ctx) in ((1, 4096), (64, 4096), (2, 48)) else 1
+        tier = 0 if (batch, ctx) in ((64, 4096), (2, 48)) else 1 if (batch, ctx) == (1, 4096) else 2
         note_bytes = 2.0 * batch * ctx * hkv * d * 2
         params = dict(batch=batch, ctx=ctx, heads=f"{hq}/{hkv}", head_dim=d)
         cases.append(Case("decode", f"b{batch}_ctx{ctx}", params, build_for(batch, ctx), tier,
                           4.0 * batch * ctx * hq * d, note_bytes))
         cases.append(Case("decode", f"b{batch}_ctx{ctx}_fp8kv", dict(params, kv_cache="fp8_e4m3"),
-                          build_fp8_for(batch, ctx), tier if (batch, ctx) != (1, 4096) else 1,
+                          build_fp8_for(batch, ctx), tier,
                           4.0 * batch * ctx * hq * d, note_bytes / 2))
     return cases
 
@@ -495,15 +537,16 @@ def _moe_cases(quick: bool, backends) -> list:
     cases = []
     for model, (e, top_k, h, inter) in models.items():
         for t in ts:
-            tier = 0 if t in (64, 1024, 5) else 1
+            tier = 0 if t in (1024, 5) else 1 if t == 64 else 2
             flops = 6.0 * t * top_k * h * inter
-            touched = min(e, t * top_k)
+            touched = e * (1 - (1 - top_k / e) ** t)  # experts a uniform routing reaches (expected)
             cases.append(Case("moe", f"{model}_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h, inter=inter, T=t),
-                              build_for(e, top_k, h, inter, t), tier, flops, 2.0 * touched * 3 * h * inter))
+                              build_for(e, top_k, h, inter, t), tier, flops, 2.0 * touched * 3 * h * inter + 4.0 * t * h))
             if model in ("deepseek_v3", "tiny"):  # DeepSeek-V3 ships fp8 block-scaled experts
                 cases.append(Case("moe", f"{model}_fp8_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h,
                                                                     inter=inter, T=t, weights="fp8 128x128 blocks"),
-                                  build_fp8(e, top_k, h, inter, t), tier, flops, 1.0 * touched * 3 * h * inter))
+                                  build_fp8(e, top_k, h, inter, t), tier, flops,
+                                  1.0 * touched * 3 * h * inter + 4.0 * t * h, "fp8"))
     return cases
 
 
@@ -576,7 +619,7 @@ def _fused_cases(quick: bool, backends) -> list:
     cases = []
     for h in hs:
         for t in ts:
-            tier = 0 if (h in (4096, 64) and t in (4096, 7)) else 1
+            tier = 0 if (h in (4096, 64) and t in (4096, 7)) else 1 if (h, t) == (8192, 16384) else 2
             for op, build, nbytes in (("rms_norm", rms(t, h), 4 * t * h), ("silu_and_mul", silu(t, h), 6 * t * h),
                                       ("rotary", rope(t, h), 5 * t * h)):
                 cases.append(Case("fused", f"{op}_t{t}_h{h}", dict(op=op, T=t, H=h), build, tier, 0.0, nbytes))
@@ -686,10 +729,32 @@ def _max_rel_diff(a, b) -> float | None:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
-def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int) -> Result:
+def ideal_time(case: Case, target: str | None) -> dict:
+    """The case's roofline on ``target`` (a key of :data:`ROOFLINES`): the time its bytes take
+    at full memory bandwidth, its FLOPs at the full MMA rate of its operand class, and the
+    larger of the two (what bounds it). Empty without a target."""
+    if target is None:
+        return {}
+    peak = ROOFLINES[target]
+    memory_s = case.bytes / peak["bandwidth"]
+    compute_s = case.flops / peak["flops"][case.mma]
+    return {"target": target, "ideal_s": max(memory_s, compute_s), "memory_s": memory_s, "compute_s": compute_s,
+            "bound": "compute" if compute_s > memory_s else "memory", "fraction": {}}
+
+
+def new_result(case: Case, target: str | None, status: str = "ok", note: str = "") -> Result:
+    return Result(case.family, case.name, case.params, status=status, note=note, flops=case.flops,
+                  bytes=case.bytes, tier=case.tier, roofline=ideal_time(case, target))
+
+
+def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int, target: str | None = None,
+             result: Result | None = None) -> Result:
+    """Build, warm up and time one case; ``result`` (made by :func:`new_result` when None) is
+    filled in place, so a run stopped mid-case still holds what was measured."""
     import torch
 
-    result = Result(case.family, case.name, case.params, flops=case.flops, bytes=case.bytes)
+    result = result if result is not None else new_result(case, target)
+    result.status, result.note = "ok", ""
     t0 = time.perf_counter()
     try:
         graft, baselines = case.build(device, dtype)
@@ -712,6 +777,8 @@ def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int) -> Result
         for label in runners:
             samples = result.timings[label]["samples_s"]
             result.timings[label]["median_s"] = statistics.median(samples)
+            if result.roofline:  # baselines too: how close the library gets to the limit
+                result.roofline["fraction"][label] = result.roofline["ideal_s"] / result.timings[label]["median_s"]
         timed_base = [b for b in baselines if b in runners]
         for g in graft:
             if g not in runners:
@@ -757,17 +824,38 @@ def _environment(device) -> dict:
     return env
 
 
+STATUSES = ("ok", "error", "skipped", "pending", "killed")
+
+
 def summary(results: list) -> dict:
-    """Per family: cases ok/error/skipped and the geometric-mean ratio per graft-vs-baseline pair."""
+    """Per family: cases per status, the geometric-mean ratio per baseline (over graft-vs-baseline
+    pairs) and, with a roofline, the geometric-mean fraction of the limit per label."""
     out: dict = {}
+    fractions: dict = {}
     for r in results:
-        fam = out.setdefault(r.family, {"ok": 0, "error": 0, "skipped": 0, "geomean_ratio": {}})
+        fam = out.setdefault(r.family, {**{s: 0 for s in STATUSES}, "geomean_ratio": {}})
         fam[r.status] += 1
         for pair, ratio in r.ratios.items():
             fam["geomean_ratio"].setdefault(pair.split(" vs ")[1], []).append(ratio)
-    for fam in out.values():
-        fam["geomean_ratio"] = {b: math.exp(sum(map(math.log, v)) / len(v)) for b, v in fam["geomean_ratio"].items()}
+        for label, frac in (r.roofline or {}).get("fraction", {}).items():
+            fractions.setdefault(r.family, {}).setdefault(label, []).append(frac)
+    for name, fam in out.items():
+        fam["geomean_ratio"] = {b: _geomean(v) for b, v in fam["geomean_ratio"].items()}
+        if name in fractions:
+            fam["geomean_fraction_of_limit"] = {k: _geomean(v) for k, v in fractions[name].items()}
     return out
+
+
+def _geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write then rename: a run killed while writing leaves the previous complete file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_reports(results: list, env: dict, out_dir: str, tag: str) -> tuple[str, str]:
@@ -776,14 +864,18 @@ def write_reports(results: list, env: dict, out_dir: str, tag: str) -> tuple[str
     payload = {"environment": env, "summary": summ, "results": [vars(r) for r in results],
                "how_to_read": "ratio = baseline median / graft median for one call (> 1: graft faster); "
                               "times are per call, medians over interleaved rounds; absolute times are "
-                              "device-specific"}
+                              "device-specific; roofline.fraction = ideal time on the target (bytes at peak "
+                              "bandwidth or FLOPs at peak MMA rate, the larger) / measured time; status "
+                              "pending = not reached when the report was written (a killed run)"}
     json_path = os.path.join(out_dir, f"kernels-{tag}.json")
-    with open(json_path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
+    _write_atomic(json_path, json.dumps(payload, indent=1, default=str))
     html_path = os.path.join(out_dir, f"kernels-{tag}.html")
-    with open(html_path, "w") as f:
-        f.write(render_html(results, env, summ))
+    _write_atomic(html_path, render_html(results, env, summ))
     return json_path, html_path
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.3g}%"
 
 
 def _fmt_s(s) -> str:
@@ -807,12 +899,16 @@ def render_html(results: list, env: dict, summ: dict) -> str:
         if best:
             rate = f"{r.flops / best / 1e12:.1f} TFLOP/s" if r.flops else ""
             rate += f"<br>{r.bytes / best / 1e9:.0f} GB/s" if r.bytes else ""
+        roof = r.roofline or {}
+        if roof:
+            rate += (f"<br>ideal on {esc(roof['target'])}: {_fmt_s(roof['ideal_s'])} ({roof['bound']}-bound)<br>"
+                     + "<br>".join(f"{esc(k)}: {_pct(v)} of limit" for k, v in roof["fraction"].items()))
         checks = "<br>".join(f"{esc(k)}: {v:.1e}" for k, v in r.value_check.items() if v is not None)
         rows.append(f"<tr class='{r.status}'><td>{esc(r.family)}</td><td>{esc(r.name)}</td><td>{esc(r.status)}"
                     f"{'<br>' + esc(r.note) if r.note else ''}</td><td>{timings}</td><td>{ratios}</td>"
                     f"<td>{rate}</td><td>{checks}</td></tr>")
     summ_rows = "".join(
-        f"<tr><td>{esc(f)}</td><td>{s['ok']}/{s['error']}/{s['skipped']}</td><td>"
+        f"<tr><td>{esc(f)}</td><td>{'/'.join(str(s[k]) for k in STATUSES)}</td><td>"
         + "<br>".join(f"vs {esc(b)}: <b>{v:.2f}x</b>" for b, v in s["geomean_ratio"].items()) + "</td></tr>"
         for f, s in summ.items())
     env_rows = "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in env.items())
@@ -824,10 +920,10 @@ tr.skipped{{background:#eee;color:#777}}</style></head><body>
 <p>Ratio = baseline median / graft median per call, both measured in this run (interleaved rounds,
 CUDA graphs unless noted); &gt; 1 means graft is faster. Absolute times are device-specific.</p>
 <h2>Environment</h2><table>{env_rows}</table>
-<h2>Summary (geometric mean of ratios; cases ok/error/skipped)</h2>
-<table><tr><th>family</th><th>ok/error/skipped</th><th>ratio</th></tr>{summ_rows}</table>
+<h2>Summary (geometric mean of ratios; cases per status)</h2>
+<table><tr><th>family</th><th>{'/'.join(STATUSES)}</th><th>ratio</th></tr>{summ_rows}</table>
 <h2>Cases</h2><table><tr><th>family</th><th>case</th><th>status</th><th>median per call</th><th>ratio</th>
-<th>graft rate</th><th>max rel. diff vs baseline</th></tr>{''.join(rows)}</table></body></html>
+<th>graft rate; roofline</th><th>max rel. diff vs baseline</th></tr>{''.join(rows)}</table></body></html>
 """
 
 
@@ -844,52 +940,129 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default=None,
                         help="graft backends to time (default: every one but the torch reference)")
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="stop starting cases after this many seconds (the rest are recorded as skipped)")
+                        help="seconds the cases may take: a case starts only when it is expected to end within "
+                             "them (its family's longest case so far); the rest are recorded as skipped")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per case")
     parser.add_argument("--no-graphs", action="store_true", help="time eagerly instead of replaying CUDA graphs")
     parser.add_argument("--match", default=None, help="only cases whose family/name contains this")
     parser.add_argument("--out", default="benchmarks", help="directory for kernels-<tag>.json/.html")
     parser.add_argument("--tag", default=None, help="file name tag (default: the device's name)")
+    parser.add_argument("--target", default=None, choices=(*ROOFLINES, "none"),
+                        help="roofline to report each case against (default: from the GPU's name; none on "
+                             "the CPU or an unlisted GPU)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the cases in run order (tier, roofline) and exit: nothing is built or timed")
+
+
+def roofline_target(gpu_name: str | None) -> str | None:
+    """The :data:`ROOFLINES` entry for a device name, None for devices without one."""
+    name = (gpu_name or "").lower()
+    if "h200" in name:
+        return "h200"
+    if "mi300x" in name:
+        return "mi300x"
+    return None
+
+
+class _Stopped(BaseException):
+    """SIGTERM / SIGINT during the run (BaseException: a case's ``except Exception`` must not
+    swallow it)."""
+
+
+def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
+    import signal
+
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _progress(i: int, total: int, elapsed: float, r: Result) -> str:
+    ratios = ", ".join(f"{p} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
+    roof = r.roofline or {}
+    best = max((v for k, v in roof.get("fraction", {}).items() if k.startswith("graft")), default=None)
+    limit = f"; ideal {_fmt_s(roof['ideal_s'])}, graft at {_pct(best)} of it" if best is not None else ""
+    return f"[{i}/{total} {elapsed:5.0f}s] {r.status:5} {r.family}/{r.name}: {ratios}{limit}"
 
 
 def run(args) -> int:
     os.environ["GRAFT_CHECK_VALUES"] = "0"  # value checks are device syncs; before graft reads its config
+    import signal
+
     import torch
 
     from graft.errors import GraftInputError
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise GraftInputError("--device cuda but torch sees no GPU")
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise GraftInputError(f"unknown families {unknown}; expected a subset of {', '.join(FAMILIES)}")
+    if args.rounds < 1:
+        raise GraftInputError(f"--rounds {args.rounds}: needs at least 1")
     backends = None if args.backends is None else {b.strip() for b in args.backends.split(",") if b.strip()}
-    dtype = getattr(torch, args.dtype)
     cases = all_cases(families, args.quick, backends)
     if args.match:
         cases = [c for c in cases if args.match in f"{c.family}/{c.name}"]
+    if args.dry_run:
+        target = None if args.target in (None, "none") else args.target
+        for i, case in enumerate(cases, 1):
+            roof = ideal_time(case, target)
+            ideal = f"  ideal {_fmt_s(roof['ideal_s'])} on {target} ({roof['bound']}-bound)" if roof else ""
+            print(f"{i:4} tier {case.tier} {case.family}/{case.name}{ideal}")
+        return 0
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise GraftInputError("--device cuda but torch sees no GPU")
+    dtype = getattr(torch, args.dtype)
     env = _environment(device)
+    target = (None if args.target == "none" else args.target if args.target
+              else roofline_target(env.get("gpu")) if device.type == "cuda" else None)
     env.update(dtype=args.dtype, quick=args.quick, budget_s=args.budget_s, rounds=args.rounds,
-               graphs=not args.no_graphs and device.type == "cuda", check_values=os.environ["GRAFT_CHECK_VALUES"])
+               graphs=not args.no_graphs and device.type == "cuda", check_values=os.environ["GRAFT_CHECK_VALUES"],
+               roofline=dict(ROOFLINES[target], target=target) if target else None)
     tag = args.tag or ("cpu-quick" if device.type == "cpu" else
                        "".join(ch if ch.isalnum() else "-" for ch in env.get("gpu", "gpu").lower()).strip("-"))
-    print(f"graft kernel benchmark: {len(cases)} cases on {env.get('gpu', device)}, budget {args.budget_s:.0f}s",
-          flush=True)
+    print(f"graft kernel benchmark: {len(cases)} cases on {env.get('gpu', device)}, budget {args.budget_s:.0f}s, "
+          f"roofline {target or 'none'}", flush=True)
+    # The whole plan is in the report from the start: a run killed at any point shows what it
+    # measured, what it was in the middle of and what it never reached.
+    results = [new_result(case, target, "pending") for case in cases]
+    write_reports(results, env, args.out, tag)
+    longest: dict = {}  # family -> its longest case so far (seconds): whether the next one fits
     start = time.perf_counter()
-    results = []
-    for i, case in enumerate(cases, 1):
-        elapsed = time.perf_counter() - start
-        if elapsed > args.budget_s:
-            results.append(Result(case.family, case.name, case.params, status="skipped",
-                                  note=f"time budget of {args.budget_s:.0f}s spent", flops=case.flops, bytes=case.bytes))
-            continue
-        r = run_case(case, device, dtype, not args.no_graphs, args.rounds)
-        results.append(r)
-        write_reports(results, env, args.out, tag)  # after every case: a killed run still leaves its results
-        ratios = ", ".join(f"{p} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
-        print(f"[{i}/{len(cases)} {elapsed:5.0f}s] {r.status:5} {case.family}/{case.name}: {ratios}", flush=True)
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    current = None
+    try:
+        for i, (case, r) in enumerate(zip(cases, results), 1):
+            elapsed = time.perf_counter() - start
+            expected = longest.get(case.family, max(longest.values(), default=0.0))
+            if elapsed + expected > args.budget_s:
+                r.status = "skipped"
+                r.note = (f"time budget of {args.budget_s:.0f}s: {elapsed:.0f}s spent, a {case.family} case "
+                          f"takes up to {expected:.0f}s")
+                continue
+            current = r
+            run_case(case, device, dtype, not args.no_graphs, args.rounds, target, result=r)
+            current = None
+            longest[case.family] = max(longest.get(case.family, 0.0), r.seconds)
+            write_reports(results, env, args.out, tag)  # after every case: a killed run still leaves its results
+            print(_progress(i, len(cases), elapsed, r), flush=True)
+    except _Stopped as stop:
+        for sig in previous:  # a second signal (timeout and a process-group kill) must not cut the report short
+            signal.signal(sig, signal.SIG_IGN)
+        if current is not None:
+            current.status, current.note = "killed", f"stopped mid-case by {stop} (the outer timeout?)"
+        env["stopped_by"] = str(stop)
+        env["wall_s"] = round(time.perf_counter() - start, 1)
+        json_path, _ = write_reports(results, env, args.out, tag)
+        print(f"stopped by {stop}: {sum(r.status in ('ok', 'error') for r in results)} case(s) finished, "
+              f"report in {json_path}", flush=True)
+        return 128 + getattr(signal, str(stop)).value
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     skipped = sum(r.status == "skipped" for r in results)
     env["wall_s"] = round(time.perf_counter() - start, 1)
     if skipped:
@@ -898,7 +1071,9 @@ def run(args) -> int:
     print(f"wrote {json_path} and {html_path}", flush=True)
     for fam, s in summary(results).items():
         means = ", ".join(f"vs {b} {v:.2f}x" for b, v in s["geomean_ratio"].items())
-        print(f"  {fam}: {s['ok']} ok, {s['error']} error, {s['skipped']} skipped; geomean {means}", flush=True)
+        limits = ", ".join(f"{k} {_pct(v)}" for k, v in s.get("geomean_fraction_of_limit", {}).items())
+        print(f"  {fam}: {s['ok']} ok, {s['error']} error, {s['skipped']} skipped; geomean {means}"
+              + (f"; of the {target} limit: {limits}" if limits else ""), flush=True)
     return 0 if any(r.status == "ok" for r in results) else 1
 
 

@@ -116,3 +116,30 @@ def test_fp8_dispatch_and_custom_op(device):
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     out = torch.compile(lambda *a: fp8_op(*a, None, torch.float32) * 2, backend="eager", fullgraph=True)(*args)
     torch.testing.assert_close(out, 2 * G.fp8_reference(*args, None, torch.float32), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("arch, fmt, refused", [
+    ("gfx942", torch.float8_e4m3fn, True), ("gfx942", torch.float8_e4m3fnuz, False),
+    ("sm_90", torch.float8_e4m3fnuz, True), ("sm_90", torch.float8_e4m3fn, False),
+    ("gfx950", torch.float8_e4m3fn, False),
+])
+def test_fp8_flavour_refused_per_arch(monkeypatch, arch, fmt, refused):
+    """e4m3fn on MI300 (bf16 MFMAs and spills) and e4m3fnuz on Hopper (no lowering) are refused
+    by check(), naming the format and the architecture; the interpreter takes both."""
+    from types import SimpleNamespace
+
+    from graft.kernels.triton import gemm_fp8, moe_fused_experts_fp8
+    from graft.platform import DeviceInfo
+
+    for module in (gemm_fp8, moe_fused_experts_fp8):
+        monkeypatch.setattr(module, "device_info", lambda device: DeviceInfo("cuda", "x", arch, arch))
+    on_gpu = SimpleNamespace(dtype=fmt, device=torch.device("cuda", 0))  # check() reads dtype and device
+    reasons = [gemm_fp8.check(on_gpu, on_gpu, None, None),
+               moe_fused_experts_fp8.check(None, on_gpu, on_gpu, None, None, None, None)]
+    for reason in reasons:
+        if refused:
+            assert reason is not None and str(fmt) in reason and arch in reason, reason
+        else:
+            assert reason is None, reason
+    x_q, w_q, xs, ws = _args(4, 16, 64, "tensor", dtype=fmt)  # the CPU interpreter: no refusal
+    assert gemm_fp8.check(x_q, w_q, xs, ws) is None

@@ -179,3 +179,22 @@ def test_grouped_tile_orders_cover_every_tile_once(tiles_m, tiles_n, group):
         assert sorted(pairs) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
         band = min(group, tiles_m)
         assert len({j for _, j in pairs[:band]}) == 1  # the first band's programs share a column tile
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matmul_accumulates_into_an_fp32_out(splits):
+    """``accumulate``: out += a @ b in one fp32 rounding (the fused loss's dW over chunks),
+    split or not; the fp16 operands never round the running sum."""
+    from graft.kernels.triton.gemm_linear import matmul
+
+    gen = torch.Generator().manual_seed(3)
+    dw = torch.randn(24, 40, generator=gen)
+    expected = dw.clone()
+    for _ in range(3):
+        dy, x = (torch.randn(33, 24, generator=gen).half(), torch.randn(33, 40, generator=gen).half())
+        expected += dy.float().t() @ x.float()
+        out = matmul(dy.t(), x, out=dw, split_k=splits, accumulate=True)
+        assert out is dw
+    torch.testing.assert_close(dw, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="adds to `out`"):
+        matmul(dy.t(), x, accumulate=True)

@@ -85,6 +85,49 @@ def test_in_place_mixed_tensors_take_the_per_tensor_path(torch_backend):
         assert params[0].stride() == p_nc.stride(), "updated in place, layout kept"
 
 
+def test_triton_steps_a_group_in_place_in_one_launch_per_dtype_group(fresh_graft, monkeypatch):
+    """The Triton backend's multi-tensor form: every contiguous tensor of a group updated in
+    place by one launch per dtype combination (bf16 params with fp32 moments, fp32), exactly
+    as its per-tensor kernel computes; a non-contiguous view, a misaligned view and an empty
+    tensor go their own way; the address table is built once and reused while the tensors
+    stay the same."""
+    from graft.kernels.triton import fused_adam_step as K
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "triton,torch")
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(1030,), (7, 5), (3000,), (1,), (0, 4), (6, 9)]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.float32]
+    params = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+    params[5] = params[5].t()  # a non-contiguous view: per tensor
+    params.append(torch.randn(1001, generator=gen)[1:])  # contiguous but not 16-byte aligned: per tensor
+    grads = [(0.1 * torch.randn(p.shape, generator=gen)).to(p.dtype) for p in params]
+    ms = [0.01 * torch.randn(p.shape, generator=gen) for p in params]
+    vs = [1e-4 * torch.rand(p.shape, generator=gen) for p in params]
+    launches = []
+    real = K._adam_multi_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(K, "_adam_multi_kernel", Spy())
+    tables = []
+    for step in (1, 2):
+        expected = [K.adam_step(p, g, m, v, *HYPER, step, 0.1, True, True) for p, g, m, v in zip(params, grads, ms, vs)]
+        addresses = [p.data_ptr() for p in params]
+        assert adam_step_(params, grads, ms, vs, *HYPER, step, 0.1, True, True) == "triton"
+        assert [p.data_ptr() for p in params] == addresses  # in place
+        for got, want in zip(zip(params, ms, vs), expected):
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), "the group kernel computes what the per-tensor kernel does"
+        tables.append(dict(K._TABLES))
+    # per step: one launch for the bf16 group (2 tensors), one for fp32 (2); blocks cover each tensor
+    assert len(launches) == 4, launches
+    block = K.tile_config(K.TILES, "cpu")["block"]
+    assert launches[0] == (2 + 3,) and launches[1] == (1 + 1,), (launches, block)
+    assert tables[0] == tables[1] and all(a is b for a, b in zip(tables[0].values(), tables[1].values()))
+
+
 def test_in_place_with_another_backend_copies_back(fresh_graft, monkeypatch):
     """Under the Triton interpreter Triton serves (functional kernel): results copied into place."""
     monkeypatch.setenv("GRAFT_BACKENDS", "triton,torch")

@@ -21,7 +21,8 @@ def test_apply_swaps_only_the_named_backends():
     order, why = priorities.apply("gemm.w4a16", "cuda", ("myvendor", "hip", "ck", "triton", "torch"))
     assert order == ("myvendor", "triton", "ck", "hip", "torch") and "dequantizes" in why
     assert priorities.apply("gemm.w4a16", "cpu", ("hip", "triton", "torch")) == (("hip", "triton", "torch"), None)
-    assert priorities.apply("fused.rms_norm", "cuda", ("hip", "triton", "torch")) == (("hip", "triton", "torch"), None)
+    assert priorities.apply("gemm.linear", "cuda", ("hip", "triton", "torch")) == (("hip", "triton", "torch"), None)
+    assert priorities.apply("fused.rms_norm", "cuda", ("hip", "triton", "torch"))[0] == ("triton", "hip", "torch")
     assert priorities.apply("gemm.w4a16", "cuda", ("hip", "torch")) == (("hip", "torch"), None)
 
 

@@ -32,16 +32,27 @@ def _aot_env(tmp_path):
 
 @pytest.mark.timeout(1800)  # seconds with a current cache file; a changed kernel's variants compile here
 def test_every_variant_fits_sm90_and_gfx942(tmp_path):
-    """The full set (every variant of every kernel, both targets), in a subprocess because
-    the interpreter is on in this one."""
+    """The full set (every variant of every kernel, both targets), compiled by Triton 3.6 (the
+    GPU image's version, from .venv-triton36 as in test_triton36.py), in a subprocess because
+    the interpreter is on in this one: within the limits, no unaccepted spill, and every tl.dot
+    on the tensor cores (wgmma or mma.sync on sm_90, MFMA on gfx942)."""
+    from test_triton36 import VERSION, _triton36_dir
+
+    env = dict(_aot_env(tmp_path), PYTHONPATH=os.pathsep.join(filter(None, [_triton36_dir(), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-m", "graft.kernels.triton._aot", "--cache", "--jobs", "2"],
-                          env=_aot_env(tmp_path), capture_output=True, text=True, timeout=1800)
+                          env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"Triton {VERSION}"), proc.stdout[:200]
     checked = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
     full = list(_aot.variants())
     assert len(checked) == len(full) + len(_quick_compiles()), proc.stdout  # + the unaligned quick ones
     for target in _aot.TARGETS:
         assert any(f" {target} " in line and "shared=" in line and "regs=" in line for line in checked)
+    # the fast paths are reported per variant; the GEMM, attention and MoE families reach them
+    for family in ("gemm_linear.", "gemm_w8a8.", "gemm_fp8.", "attention_prefill.", "moe_fused_experts."):
+        lines = [line for line in checked if family in line]
+        assert any(" sm_90 " in line and "mma=wgmma" in line for line in lines), family
+        assert any(" gfx942 " in line and "mma=mfma" in line for line in lines), family
 
 
 _PROBE = textwrap.dedent('''
@@ -193,3 +204,51 @@ def test_variant_rejects_unknown_argument_names():
 
     with pytest.raises(TypeError, match="BLOCK_SIZE"):
         _aot.variant(fused_silu_and_mul._silu_and_mul_kernel, dict(BLOCK_SIZE=16))
+
+
+def test_spills_fail_unless_accepted_with_a_reason():
+    found = {"shared": 1024, "regs": 512, "threads": 256, "spills": 104}
+    (problem,) = _aot.over_limits(found, "gfx942")
+    assert "104 spilled" in problem and "accept_spills" in problem
+    assert _aot.over_limits(found, "gfx942", accepted_spills="the backward's dK/dV tile: measured faster") == []
+    with pytest.raises(TypeError, match="unknown target"):
+        _aot.variant(_aot.variants().__next__()[1].kernel, {}, accept_spills={"sm_80": "why"})
+
+
+def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
+    from types import SimpleNamespace
+
+    from graft.kernels.triton import fused_rms_norm, gemm_linear
+
+    def ptx(text):
+        return SimpleNamespace(asm={"ptx": text})
+
+    assert _aot.fast_paths(ptx("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 ...\n"
+                               "cp.async.cg.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3;"), "sm_90") == {
+        "mma": "wgmma", "copy": "cp.async16"}
+    assert _aot.fast_paths(ptx("mma.sync.aligned.m16n8k16 ...\ncp.async.bulk.tensor.2d ..."), "sm_90") == {
+        "mma": "mma.sync", "copy": "tma"}
+    assert _aot.fast_paths(ptx("ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];"), "sm_90")["copy"] == "vector16"
+    assert _aot.fast_paths(ptx("fma.rn.f32 ...\nld.global.b16 %rs1, [ %rd1 + 0 ];"), "sm_90") == {
+        "mma": None, "copy": "narrow"}
+    gcn = SimpleNamespace(asm={"amdgcn": "v_mfma_f32_32x32x8_bf16 a[0:15], v[0:1]\nglobal_load_dwordx4 v[4:7], v2"})
+    assert _aot.fast_paths(gcn, "gfx942") == {"mma": "mfma", "copy": "vector16"}
+
+    bf16_gemm = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.kernel is gemm_linear._linear_kernel)
+    fp32_ieee = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*fp32" and v.constexprs["PRECISION"] == "ieee")
+    norm = fused_rms_norm.AOT_VARIANTS[0]
+    scalar = {"mma": None, "copy": "cp.async16"}
+    assert "scalar" in _aot.fast_path_problems(scalar, bf16_gemm, "sm_90")[0]
+    assert "MFMA" in _aot.fast_path_problems(scalar, fp32_ieee, "gfx942")[0]  # gfx942 has fp32 MFMAs
+    assert _aot.fast_path_problems(scalar, fp32_ieee, "sm_90") == []  # IEEE fp32 products are FMAs by design
+    assert _aot.fast_path_problems(scalar, norm, "sm_90") == []  # no tl.dot: nothing to expect
+    assert _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, bf16_gemm, "sm_90") == []
+    # a 128-row tile on 8 warps must be a warp-group MMA on Hopper
+    big = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.constexprs.get("BLOCK_M") == 128)
+    assert "not wgmma" in _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, big, "sm_90")[0]
+    assert _aot.fast_path_problems({"mma": "wgmma", "copy": "cp.async16"}, big, "sm_90") == []
+    # unit strides declared: 16-byte copies expected, except in the unaligned specialisation
+    narrow = {"mma": "wgmma", "copy": "narrow"}
+    assert "scalar loads" in _aot.fast_path_problems(narrow, big, "sm_90")[0]
+    assert _aot.fast_path_problems(narrow, big, "sm_90", aligned=False) == []
+    assert "scalar loads" in _aot.fast_path_problems({"mma": "mfma", "copy": "narrow"}, big, "gfx942")[0]

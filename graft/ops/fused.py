@@ -459,8 +459,10 @@ CASES = [
 # in place. It selects the implementation once per call (on the first tensor); when that is
 # graft's torch backend, every tensor goes through ONE ``torch._fused_adam_`` /
 # ``torch._fused_adamw_`` call (what ``torch.optim.Adam(fused=True)`` runs), so graft adds
-# no per-tensor launches or copies over torch's optimizer. Other backends (vendor kernels,
-# which are functional custom ops) run per tensor and their results are copied back.
+# no per-tensor launches or copies over torch's optimizer. A backend whose implementation
+# carries ``multi_tensor_`` (an in-place list form returning the indices it updated, e.g.
+# graft's Triton kernel: one launch per group) serves the group the same way; other backends
+# (functional custom ops) run per tensor and their results are copied back.
 
 OP = "fused.adam_step"
 
@@ -651,6 +653,9 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
                           step, weight_decay, adam_w_mode)
             served = set(same)
             rest = [i for i in rest if i not in served]
+    elif getattr(impl.fn, "multi_tensor_", None) is not None:
+        served = set(impl.fn.multi_tensor_(params, grads, exp_avgs, exp_avg_sqs, *scalars))
+        rest = [i for i in rest if i not in served]
     for i in rest:
         p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
         fn = impl.fn if i == 0 else select(OP, p, g, m, v, *scalars).fn

@@ -20,8 +20,11 @@ shapes; also the case that pipelines deepest and needs the most shared memory), 
 target (its quick one, ``--quick``) is also compiled unaligned (odd ints), the other
 specialisation a launch can hit.
 
-Per variant it prints shared memory, registers and spills, and fails when shared memory
-or registers exceed the target's limits (:data:`LIMITS`). :func:`uncovered` names every
+Per variant it prints shared memory, registers, spills and the fast paths the code uses
+(:func:`fast_paths`: wgmma / mma.sync / MFMA, TMA / 16-byte copies), and fails when shared
+memory or registers exceed the target's limits (:data:`LIMITS`), when it spills (unless the
+variant's ``accept_spills`` gives the reason), or when its code regresses to scalar
+(:func:`fast_path_problems`). Run it with the GPU image's Triton (3.6: ``PYTHONPATH=.venv-triton36``). :func:`uncovered` names every
 ``@triton.jit`` function of graft.kernels.triton that no variant compiles, directly or as
 a callee, so a new kernel cannot be left out. Exit status 1 on any failure or gap.
 
@@ -70,6 +73,7 @@ class AotVariant:
     options: dict = field(default_factory=dict)  # num_warps, num_stages
     targets: tuple = tuple(TARGETS)
     values: dict = field(default_factory=dict)  # example values of int arguments (default ALIGNED_INT)
+    accept_spills: dict = field(default_factory=dict)  # target (or "<target> unaligned") -> why spills are accepted
 
     @property
     def name(self) -> str:
@@ -78,17 +82,23 @@ class AotVariant:
 
 
 def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=None, values=None,
-            **types) -> AotVariant:
+            accept_spills=None, **types) -> AotVariant:
     """One compile of ``kernel``. Arguments not in ``constexprs`` or ``types`` are typed by
     name (see :func:`signature`): pointers get ``pointer``, everything else is ``i32``
     (sizes, strides); float scalars must be named in ``types`` (``eps="fp32"``). ``values``
     gives example values of int arguments where the default (a multiple of 16) is not what
-    a launch passes, e.g. ``stride_d=1`` for a unit stride (the JIT makes it a constant)."""
+    a launch passes, e.g. ``stride_d=1`` for a unit stride (the JIT makes it a constant).
+    ``accept_spills``: target -> the reason spills there are accepted (else a spill fails);
+    ``"<target> unaligned"`` accepts them in the unaligned specialisation only."""
     unknown = (set(constexprs) | set(types) | set(values or {})) - set(kernel.arg_names)
     if unknown:
         raise TypeError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
+    bad = set(accept_spills or {}) - set(TARGETS) - {f"{t} unaligned" for t in TARGETS}
+    if bad:
+        raise TypeError(f"accept_spills names unknown target(s) {sorted(bad)}; keys are a target of "
+                        f"{sorted(TARGETS)}, optionally followed by ' unaligned'")
     return AotVariant(kernel, dict(constexprs), dict(types), pointer, dict(options or {}),
-                      tuple(targets or TARGETS), dict(values or {}))
+                      tuple(targets or TARGETS), dict(values or {}), dict(accept_spills or {}))
 
 
 def per_target(table: dict):
@@ -306,9 +316,80 @@ def resources(compiled, target: str) -> dict:
     return found
 
 
-def over_limits(found: dict, target: str) -> list[str]:
-    """What in ``found`` (see :func:`resources`) exceeds ``target``'s limits."""
+_CP_ASYNC_16 = re.compile(r"cp\.async\.cg\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|16)\b")
+_LD_16 = re.compile(r"ld\.global(?:\.[a-z0-9:]+)*\.v4\.(?:b32|f32|u32|s32)|ld\.global(?:\.[a-z0-9:]+)*\.v2\.(?:b64|f64|u64)")
+_GCN_16 = re.compile(r"\b(?:global|buffer)_load_(?:lds_)?dwordx4\b")
+
+
+def fast_paths(compiled, target: str) -> dict:
+    """Which of the target's fast paths the compiled code uses: ``mma`` (sm_90: ``wgmma``, else
+    ``mma.sync``; gfx942: ``mfma``; None: the products are scalar FMAs) and ``copy``, the widest
+    global-to-register/shared path (sm_90: ``tma`` for cp.async.bulk, ``cp.async16``,
+    ``vector16`` for 16-byte loads, ``cp.async`` for 4/8-byte ones; gfx942: ``vector16`` for
+    dwordx4 loads; ``narrow``: nothing wider than 8 bytes)."""
+    if TARGETS[target][0] == "cuda":
+        ptx = compiled.asm["ptx"]
+        mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync.aligned" in ptx else None
+        copy = ("tma" if "cp.async.bulk" in ptx else "cp.async16" if _CP_ASYNC_16.search(ptx)
+                else "vector16" if _LD_16.search(ptx) else "cp.async" if "cp.async." in ptx else "narrow")
+    else:
+        gcn = compiled.asm["amdgcn"]
+        mma = "mfma" if "v_mfma" in gcn else None
+        copy = "vector16" if _GCN_16.search(gcn) else "narrow"
+    return {"mma": mma, "copy": copy}
+
+
+def uses_dot(v: AotVariant) -> bool:
+    """Whether the variant's kernel (or a function it calls) multiplies tiles with tl.dot."""
+    return any("tl.dot(" in inspect.getsource(fn.fn) for fn in reachable({v.kernel}))
+
+
+FAST_COPIES = {"sm_90": ("tma", "cp.async16", "vector16"), "gfx942": ("vector16",)}
+
+
+def expected_mma(v: AotVariant, target: str) -> str | None:
+    """The MMA a variant's compiled code must use on ``target`` (None: none is expected).
+    A kernel with tl.dot must reach the tensor cores: on gfx942 MFMA (it has fp32 MFMAs too);
+    on sm_90 ``wgmma`` for tiles of 64+ rows on a warp group or more (what Triton lowers them
+    to), ``mma`` (wgmma or mma.sync) for smaller ones, and none for fp32 with IEEE precision
+    (those products are FMAs by design)."""
+    if not uses_dot(v):
+        return None
+    if target != "sm_90":
+        return "mfma"
+    fp32_ieee = v.pointer == "*fp32" and v.constexprs.get("PRECISION", "ieee") == "ieee" and not any(
+        t in ("*bf16", "*fp16", "*i8", "*fp8e4nv") for t in v.types.values())
+    if fp32_ieee:
+        return None
+    rows = v.constexprs.get("BLOCK_M", 0)
+    return "wgmma" if rows >= 64 and v.options.get("num_warps", 4) % 4 == 0 else "mma"
+
+
+def fast_path_problems(found: dict, v: AotVariant, target: str, aligned: bool = True) -> list[str]:
+    """A regression to scalar code: a dot without the MMA :func:`expected_mma` wants, or (in
+    a variant declaring unit strides, aligned) tiles loaded without the target's 16-byte
+    paths (:data:`FAST_COPIES`)."""
+    want, problems = expected_mma(v, target), []
+    if want == "wgmma" and found.get("mma") != "wgmma":
+        problems.append(f"tl.dot on a {v.constexprs.get('BLOCK_M')}-row tile compiled to {found.get('mma') or 'FMAs'}, "
+                        f"not wgmma (a regression from Hopper's warp-group MMA)")
+    elif want is not None and found.get("mma") is None:
+        problems.append(f"tl.dot compiled to scalar FMAs: no {'wgmma/mma.sync' if target == 'sm_90' else 'MFMA'} "
+                        f"instruction (a regression to scalar code)")
+    unit = any(name.startswith("stride") and value == 1 for name, value in v.values.items())
+    if want is not None and aligned and unit and found.get("copy") not in FAST_COPIES[target]:
+        problems.append(f"tiles loaded by {found.get('copy')} copies, not {' / '.join(FAST_COPIES[target])} "
+                        f"(a regression to scalar loads)")
+    return problems
+
+
+def over_limits(found: dict, target: str, accepted_spills: str | None = None) -> list[str]:
+    """What in ``found`` (see :func:`resources`) exceeds ``target``'s limits; spills count
+    unless ``accepted_spills`` says why they are accepted."""
     limits, problems = LIMITS[target], []
+    if found.get("spills") and not accepted_spills:
+        problems.append(f"{found['spills']} spilled {'bytes' if target == 'sm_90' else 'VGPRs/scratch bytes'} "
+                        f"(accept with a reason in the variant's accept_spills, or fit the tile)")
     if found["shared"] > limits["shared"]:
         problems.append(f"shared memory {found['shared']:,} B > {limits['shared']:,} B")
     if target == "sm_90":
@@ -321,7 +402,7 @@ def over_limits(found: dict, target: str) -> list[str]:
     return problems
 
 
-RESOURCES_VERSION = 2  # bump when resources() changes what it records
+RESOURCES_VERSION = 3  # bump when resources() or fast_paths() changes what it records
 CACHE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_resources.json")
 
 
@@ -340,6 +421,15 @@ def variant_key(v: AotVariant, target: str, aligned: bool = True) -> str:
                        repr(sorted(attrs.items())), sorted(v.options.items()),
                        os.environ.get("TRITON_DEFAULT_FP_FUSION", "")], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+RECORDED = ("shared", "regs", "spills", "threads", "mma", "copy")
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def load_cache(path: str = CACHE_FILE) -> dict:
@@ -362,7 +452,8 @@ def save_cache(entries: dict, path: str = CACHE_FILE) -> None:
 
 def _compile_job(job):
     target, v, aligned = job
-    return resources(compile_variant(v, target, aligned), target)
+    compiled = compile_variant(v, target, aligned)
+    return resources(compiled, target) | fast_paths(compiled, target)
 
 
 _FORKED_TODO: list = []  # what forked compile workers index into (variants do not pickle)
@@ -420,11 +511,15 @@ def compile_all(targets=tuple(TARGETS), quick: bool = False, log=None, selected=
             failures.append(f"{target} {name}: {type(found).__name__}: {str(found)[:2000]}")
         else:
             if cache is not None:
-                cache[keys[i]] = {k: found[k] for k in ("shared", "regs", "spills", "threads")} | {"name": name,
-                                                                                                  "target": target}
-            usage = f"shared={found['shared']:>6} regs={found['regs']:>3} spills={found['spills']:>4} "
-            problems = over_limits(found, target)
+                cache[keys[i]] = {k: found[k] for k in RECORDED} | {"name": name, "target": target,
+                                                                    "triton": triton_version()}
+            accepted = v.accept_spills.get(target) or (None if aligned else v.accept_spills.get(f"{target} unaligned"))
+            usage = (f"shared={found['shared']:>6} regs={found['regs']:>3} spills={found['spills']:>4} "
+                     f"mma={found['mma'] or '-':<8} copy={found['copy']:<10} ")
+            problems = over_limits(found, target, accepted) + fast_path_problems(found, v, target, aligned)
             status = "OVER" if problems else "ok"
+            if found["spills"] and accepted and not problems:
+                usage += f"(spills accepted: {accepted}) "
             failures += [f"{target} {name}: {p}" for p in problems]
         if log:
             took = "cached" if seconds is None else f"{seconds:5.1f}s"
@@ -444,20 +539,35 @@ def main(argv=None) -> int:
     parser.add_argument("--update-cache", action="store_true",
                         help="compile what changed and rewrite the cache file with the results of this run")
     parser.add_argument("--jobs", type=int, default=1, help="compile processes (default 1)")
+    parser.add_argument("--module", action="append",
+                        help="only the variants of this kernel module (repeatable; e.g. gemm_linear): a long "
+                             "refresh in parts")
     args = parser.parse_args(argv)
     if triton_interpret():
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
+    print(f"Triton {triton_version()}", flush=True)
     problems = [f"no AOT variant compiles {name} (add one to its module's AOT_VARIANTS)" for name in uncovered()]
     targets = tuple(args.target or TARGETS)
     cache = load_cache() if (args.cache or args.update_cache) else None
-    problems += compile_all(targets, args.quick, log=lambda line: print(line, flush=True), cache=cache,
+    selected = None
+    if args.module:
+        unknown = set(args.module) - {m.__name__.rsplit(".", 1)[1] for m in _modules(public_only=False)}
+        if unknown:
+            print(f"unknown --module {sorted(unknown)}: kernel modules of graft.kernels.triton", file=sys.stderr)
+            return 2
+        selected = [(t, v) for t, v in variants(targets, args.quick)
+                    if v.kernel.fn.__module__.rsplit(".", 1)[1] in args.module]
+    problems += compile_all(targets, args.quick, log=lambda line: print(line, flush=True), cache=cache, selected=selected,
                             jobs=args.jobs)
-    if args.update_cache:  # keep the entries of today's full set (stale ones go)
+    if args.update_cache:  # keep the entries of today's full set (stale ones go), other Triton versions' too
         wanted = {variant_key(v, t, True) for t, v in variants(targets)}
         wanted |= {variant_key(v, t, False) for t, v in variants(targets, quick=True)}
         assert cache is not None  # loaded above whenever --update-cache is given
-        save_cache({k: e for k, e in cache.items() if k in wanted or e["target"] not in targets})
+        version = triton_version()
+        save_cache({k: e for k, e in cache.items()
+                    if k in wanted or e["target"] not in targets or e.get("triton", version) != version
+                    or (args.module and e["name"].split("[")[0].rsplit(".", 2)[1] not in args.module)})
     for problem in problems:
         print("FAILED", problem)
     print(f"{len(problems)} problem(s) for {', '.join(targets)}")

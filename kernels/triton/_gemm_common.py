@@ -231,15 +231,19 @@ def activate(y, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn,
-               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Write a program's fp32 tile: finished (bias, activation, one rounding) when K is not
-    split; else raw into split ``program_id(1)``'s slab of the [SPLIT_K, M, N] workspace."""
+               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """Write a program's fp32 tile: finished (bias, activation, one rounding; with ACCUMULATE
+    added to what y holds: y += act(acc + bias), e.g. a gradient summed over chunks in fp32)
+    when K is not split; else raw into split ``program_id(1)``'s slab of the [SPLIT_K, M, N]
+    workspace."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         acc = activate(acc, ACTIVATION)
         ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols.to(tl.int64)[None, :] * stride_yn
+        if ACCUMULATE:
+            acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         slab = tl.program_id(1).to(tl.int64) * M * N
@@ -251,8 +255,10 @@ def store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn,
 def _splitk_reduce_kernel(
     ws_ptr, bias_ptr, y_ptr, M, N, stride_ym, stride_yn,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """y[m, n-block] = act(sum over splits in order 0..SPLIT_K-1 + bias): deterministic."""
+    """y[m, n-block] = act(sum over splits in order 0..SPLIT_K-1 + bias) (ACCUMULATE: added to
+    y): deterministic."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -262,19 +268,23 @@ def _splitk_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     acc = activate(acc, ACTIVATION)
-    tl.store(y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    y_ptrs = y_ptr + row * stride_ym + cols.to(tl.int64) * stride_yn
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 REDUCE_BLOCK_N = 1024
 
 
-def splitk_reduce(ws: torch.Tensor, bias, y: torch.Tensor, activation: str = "none") -> torch.Tensor:
-    """Finish a split-K GEMM: ``y = act(ws.sum(0) + bias)`` in a fixed order."""
+def splitk_reduce(ws: torch.Tensor, bias, y: torch.Tensor, activation: str = "none", accumulate: bool = False
+                  ) -> torch.Tensor:
+    """Finish a split-K GEMM: ``y = act(ws.sum(0) + bias)`` (``accumulate``: ``y +=``) in a fixed order."""
     splits, m, n = ws.shape
     block_n = min(REDUCE_BLOCK_N, triton.next_power_of_2(n))
     _splitk_reduce_kernel[(m, triton.cdiv(n, block_n))](
         ws, bias if bias is not None else ws, y, m, n, y.stride(0), y.stride(1),
-        SPLIT_K=splits, HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_N=block_n,
+        SPLIT_K=splits, HAS_BIAS=bias is not None, ACTIVATION=activation, BLOCK_N=block_n, ACCUMULATE=accumulate,
         num_warps=4 if block_n >= 512 else 1,
     )  # fmt: skip
     return y
@@ -284,6 +294,8 @@ def reduce_aot_variants():
     """AOT variants of the split-K reduce (declared by gemm_linear, the first user)."""
     from graft.kernels.triton._aot import variant
 
-    for pointer, split, act in (("*bf16", 4, "silu"), ("*fp16", 16, "none"), ("*fp32", 2, "gelu")):
-        yield variant(_splitk_reduce_kernel, dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=act, BLOCK_N=REDUCE_BLOCK_N),
-                      pointer=pointer, ws_ptr="*fp32", options={"num_warps": 4})
+    for pointer, split, act, accumulate in (("*bf16", 4, "silu", False), ("*fp16", 16, "none", False),
+                                            ("*fp32", 2, "gelu", False), ("*fp32", 8, "none", True)):
+        yield variant(_splitk_reduce_kernel, dict(SPLIT_K=split, HAS_BIAS=True, ACTIVATION=act, BLOCK_N=REDUCE_BLOCK_N,
+                                                  ACCUMULATE=accumulate),
+                      pointer=pointer, ws_ptr="*fp32", options={"num_warps": 4}, values=dict(stride_yn=1))

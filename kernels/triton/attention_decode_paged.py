@@ -170,12 +170,14 @@ def _decode_kernel(
         tl.store(PartAcc + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
 
 
-@triton.jit
+# num_splits is a runtime value (unspecialised): one compiled combine per BLOCK_S (a power of
+# two >= num_splits, at most 7 of them), not one per split count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     PartAcc, PartMax, PartSum, Out,
     stride_os, stride_oh, stride_od,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -183,8 +185,8 @@ def _combine_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < NUM_SPLITS
-    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    s_ok = offs_s < num_splits
+    rows = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + offs_s
     # Empty splits stored NEG_BIG/0/0; padding lanes get -inf so their weight is exactly 0.
     m = tl.load(PartMax + rows, mask=s_ok, other=float("-inf"))
     l = tl.load(PartSum + rows, mask=s_ok, other=0.0)
@@ -275,7 +277,7 @@ def _decode(
                 part_acc, part_max, part_sum, out,
                 *out.stride(),
                 head_dim,
-                NUM_SPLITS=num_splits,
+                num_splits,
                 BLOCK_S=triton.next_power_of_2(num_splits),
                 BLOCK_D=block_d,
                 num_warps=cfg["num_warps"],
@@ -372,9 +374,9 @@ def _aot_variants():
             yield variant(_decode_kernel, flags, pointer=f"*{dtype}", options=options, targets=(target,),
                           values=UNIT_STRIDES, KCache=kv, VCache=kv, KScale="*fp32", VScale="*fp32", **types)
         for dtype, splits, block_d in (("fp16", 8, 128), ("bf16", 3, 64), ("fp32", 64, 256)):
-            flags = dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+            flags = dict(BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
             yield variant(_combine_kernel, flags, pointer=f"*{dtype}", options={"num_warps": options["num_warps"]},
-                          targets=(target,), values=dict(stride_od=1), PartAcc="*fp32", PartMax="*fp32",
+                          targets=(target,), values=dict(stride_od=1, num_splits=splits), PartAcc="*fp32", PartMax="*fp32",
                           PartSum="*fp32")
 
 

@@ -1,10 +1,15 @@
 """Triton flash-attention forward over packed variable-length sequences.
 
-Grid: (query tiles of the longest sequence, batch, query heads). Each program owns
+Grid: (query heads, batch, query tiles of the longest sequence). Each program owns
 BLOCK_M query rows of one head of one sequence, streams that sequence's keys/values in
 BLOCK_N tiles and keeps an online softmax (running max ``m``, running sum ``l``, fp32
 accumulator) so the full score matrix never exists. Programs whose tile starts past
 their sequence's end return at once (the grid is sized by ``max_seqlen_q``).
+
+Programs start in grid order (heads fastest, tiles slowest), and a causal kernel numbers its
+tiles from the last: the longest tiles (the last rows see the most keys) of every sequence and
+head start first and the short ones fill the tail, instead of a wave of long tiles finishing
+alone at the end.
 
 Causal masks are bottom-right aligned (query i sees keys j <= i + seqlen_k - seqlen_q),
 so a causal tile stops loading keys past its last row's horizon. Inputs may be strided
@@ -117,9 +122,11 @@ def _prefill_kernel(
     stride_kt, stride_kh, stride_kd = _i64(stride_kt), _i64(stride_kh), _i64(stride_kd)
     stride_vt, stride_vh, stride_vd = _i64(stride_vt), _i64(stride_vh), _i64(stride_vd)
     stride_ot, stride_oh, stride_od = _i64(stride_ot), _i64(stride_oh), _i64(stride_od)
-    tile = tl.program_id(0)
+    head = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    tile = tl.program_id(2)
+    if CAUSAL:  # longest first (see the module docstring)
+        tile = tl.num_programs(2) - 1 - tile
     q_start, seqlen_q = seq_bounds(CuSeqlensQ, seq, total_q)
     first_row = tile * BLOCK_M
     if first_row >= seqlen_q:
@@ -218,7 +225,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
     cfg = _tiles(q.device, block_d, q.dtype)
     # No sequence is longer than the packed rows (cu_seqlens are clamped to them): an
     # overstated max_seqlen_q must not size an enormous grid.
-    grid = (triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]), batch, num_heads)
+    grid = (num_heads, batch, triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]))
     with on_device(q):
         _prefill_kernel[grid](
             q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0],
@@ -267,11 +274,16 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     return prefill_op(*args)
 
 
-def check(q, k, v, cu_seqlens_q, *args, **kwargs):
-    batch, num_heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
-    if batch > 65535 or num_heads > 65535:  # grid axes 1 and 2 of a CUDA launch
-        return f"batch {batch} / num_heads {num_heads} exceed the 65535 launch-grid limit"
-    return head_dim_reason(q.shape[-1])
+def check(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=0, *args, **kwargs):
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch > 65535:  # grid axis 1 of a CUDA launch
+        return f"batch {batch} exceeds the 65535 launch-grid limit"
+    reason = head_dim_reason(q.shape[-1])
+    if reason is None and q.device.type == "cuda":  # grid axis 2: query tiles
+        tiles = triton.cdiv(min(int(max_seqlen_q), q.shape[0]), _tiles(q.device, head_dim_block(q.shape[-1]), q.dtype)["BLOCK_M"])
+        if tiles > 65535:
+            return f"max_seqlen_q {max_seqlen_q} needs {tiles} query tiles, over the 65535 launch-grid limit"
+    return reason
 
 
 def register(registry) -> None:

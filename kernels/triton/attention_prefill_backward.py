@@ -261,6 +261,10 @@ register_backward(prefill_lse_op, _backward_lse, _setup_lse, name="attention.pre
 register_backward(prefill_op, _backward_plain, _setup_plain)
 
 
+ODD_STRIDES_SPILL = ("odd strides (the unaligned specialisation, which no model's contiguous q/k/v or KV cache "
+                     "launches) load element by element and spill on gfx942; aligned launches have 0 spills")
+
+
 def _aot_variants():
     ints = dict(CuSeqlensQ="*i32", CuSeqlensK="*i32", qk_scale="fp32", sm_scale="fp32", Lse="*fp32", Delta="*fp32")
     for target, base in per_target(TILES):
@@ -268,7 +272,9 @@ def _aot_variants():
             blocks, options = split_tiles(base)
             flags = dict(GROUP=4, CAUSAL=causal, BLOCK_D=block_d, UPCAST=False, PRECISION="ieee", **blocks)
             for kernel in (_dkdv_kernel, _dq_kernel):
-                yield variant(kernel, flags, pointer=f"*{name}", options=options, targets=(target,), **ints)
+                yield variant(kernel, flags, pointer=f"*{name}", options=options, targets=(target,),
+                              values=dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_dod=1),
+                              accept_spills={"gfx942 unaligned": ODD_STRIDES_SPILL}, **ints)
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -6,7 +6,11 @@ reference makes. The op takes one tensor per call, so a multi-tensor optimizer
 (DeepSpeed's ``multi_tensor_adam``) is one launch per tensor.
 
 The op is functional: results go to fresh buffers and the inputs are never written,
-so the custom op needs no ``mutates_args``. Scalars that depend only on the step (the
+so the custom op needs no ``mutates_args``. Optimizers step a parameter group in place:
+:func:`adam_step_multi_` (``adam_step.multi_tensor_``, which ``graft.ops.fused.adam_step_``
+uses) updates every contiguous tensor of a group in place in ONE launch per dtype
+combination: a table of the tensors' addresses and sizes (built once per group and kept
+while the tensors stay the same) and a block -> (tensor, offset) map drive one grid. Scalars that depend only on the step (the
 bias corrections) are computed once on the host in double precision, as the reference
 does, and passed in as fp32.
 """
@@ -54,6 +58,20 @@ def _store(ptr, offs, x, mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _adam_math(p, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+               bias_correction1, sqrt_bias_correction2, ADAM_W: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """One Adam/AdamW update in fp32: the new (p, m, v)."""
+    if HAS_DECAY and not ADAM_W:  # Adam with L2: the decay joins the gradient
+        g = g + weight_decay * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    update = (m / bias_correction1) / (tl.sqrt(v) / sqrt_bias_correction2 + eps)
+    if HAS_DECAY and ADAM_W:  # AdamW: decoupled decay on the parameter itself
+        update = update + weight_decay * p
+    return p - lr * update, m, v
+
+
+@triton.jit
 def _adam_step_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, p_out_ptr, m_out_ptr, v_out_ptr,
     n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
@@ -67,17 +85,123 @@ def _adam_step_kernel(
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DECAY and not ADAM_W:  # Adam with L2: the decay joins the gradient
-        g = g + weight_decay * p
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + one_minus_beta2 * g * g
-    update = (m / bias_correction1) / (tl.sqrt(v) / sqrt_bias_correction2 + eps)
-    if HAS_DECAY and ADAM_W:  # AdamW: decoupled decay on the parameter itself
-        update = update + weight_decay * p
-    p = p - lr * update
+    p, m, v = _adam_math(p, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                         bias_correction1, sqrt_bias_correction2, ADAM_W, HAS_DECAY)
     _store(p_out_ptr, offs, p, mask, INTERPRET)
     _store(m_out_ptr, offs, m, mask, INTERPRET)
     _store(v_out_ptr, offs, v, mask, INTERPRET)
+
+
+TABLE_COLS: tl.constexpr = tl.constexpr(5)  # a table row: param, grad, exp_avg, exp_avg_sq addresses; size
+
+
+@triton.jit
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                weight_decay, bias_correction1, sqrt_bias_correction2,
+                ADAM_W: tl.constexpr, HAS_DECAY: tl.constexpr, MASKED: tl.constexpr, INTERPRET: tl.constexpr):
+    """One block of a multi-tensor step in place; unmasked (MASKED=False) inside the tensor,
+    so the loads and stores vectorise."""
+    if MASKED:
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = None
+        p = tl.load(p_ptr + offs).to(tl.float32)
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        m = tl.load(m_ptr + offs).to(tl.float32)
+        v = tl.load(v_ptr + offs).to(tl.float32)
+    p, m, v = _adam_math(p, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                         bias_correction1, sqrt_bias_correction2, ADAM_W, HAS_DECAY)
+    _store(p_ptr, offs, p, mask, INTERPRET)
+    _store(m_ptr, offs, m, mask, INTERPRET)
+    _store(v_ptr, offs, v, mask, INTERPRET)
+
+
+@triton.jit
+def _adam_multi_kernel(
+    table_ptr, block_tensor_ptr, block_start_ptr,
+    lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+    bias_correction1, sqrt_bias_correction2,
+    P_TYPE: tl.constexpr, G_TYPE: tl.constexpr, M_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
+    ADAM_W: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Block b updates BLOCK elements of tensor block_tensor[b] from block_start[b], in place;
+    table row t holds tensor t's param, grad, exp_avg, exp_avg_sq addresses (16-byte aligned:
+    the launcher checks) and its size."""
+    block = tl.program_id(0)
+    row = table_ptr + tl.load(block_tensor_ptr + block).to(tl.int64) * TABLE_COLS
+    p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(P_TYPE)), 16)
+    g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(G_TYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(M_TYPE)), 16)
+    v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(V_TYPE)), 16)
+    n = tl.load(row + 4)
+    start = tl.multiple_of(tl.load(block_start_ptr + block), BLOCK)
+    offs = start + tl.arange(0, BLOCK)
+    scalars = (lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, bias_correction1,
+               sqrt_bias_correction2)
+    if start + BLOCK <= n:
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, *scalars, ADAM_W, HAS_DECAY, False, INTERPRET)
+    else:
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, *scalars, ADAM_W, HAS_DECAY, True, INTERPRET)
+
+
+_TL_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TABLES: dict = {}  # group key -> (table, block_tensor, block_start): one upload per group, kept
+_MAX_TABLES = 64
+
+
+def _launch_tables(tensors: list, block: int, device) -> tuple:
+    """The device tables of one group (cached by the tensors' addresses and sizes: the same
+    parameters step after step reuse them; a new allocation is a new key)."""
+    key = (device, block, tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
+                                for p, g, m, v in tensors))
+    found = _TABLES.get(key)
+    if found is None:
+        rows = [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v in tensors]
+        counts = [triton.cdiv(p.numel(), block) for p, _, _, _ in tensors]
+        owner = [t for t, c in enumerate(counts) for _ in range(c)]
+        start = [i * block for c in counts for i in range(c)]
+        found = (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(owner, dtype=torch.int32).to(device),
+                 torch.tensor(start, dtype=torch.int64).to(device))
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))
+        _TABLES[key] = found
+    return found
+
+
+def adam_step_multi_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step,
+                     weight_decay=0.0, adam_w_mode=True, bias_correction=True) -> list:
+    """In-place Adam/AdamW over lists of tensors (validated by the caller): one launch per
+    (device, dtypes) group of contiguous, 16-byte aligned, non-empty tensors. Returns the indices it updated
+    (the caller steps the others, e.g. non-contiguous views, one by one)."""
+    groups: dict = {}
+    for i, ts in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if ts[0].numel() and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts):
+            groups.setdefault((ts[0].device, *(t.dtype for t in ts)), []).append(i)
+    if not groups:
+        return []
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    served = []
+    for (device, *dtypes), idx in groups.items():
+        cfg = tile_config(TILES, device)
+        block = cfg["block"]
+        table, owner, start = _launch_tables([(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in idx],
+                                             block, device)
+        with on_device(device):
+            _adam_multi_kernel[(owner.numel(),)](
+                table, owner, start,
+                float(lr), float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2, float(eps), float(weight_decay),
+                bc1, math.sqrt(bc2),
+                P_TYPE=_TL_TYPES[dtypes[0]], G_TYPE=_TL_TYPES[dtypes[1]], M_TYPE=_TL_TYPES[dtypes[2]],
+                V_TYPE=_TL_TYPES[dtypes[3]], ADAM_W=bool(adam_w_mode), HAS_DECAY=weight_decay != 0.0, BLOCK=block,
+                INTERPRET=triton_interpret(), num_warps=cfg["num_warps"],
+            )
+        served += idx
+    return served
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +257,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                         int(step), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
 
 
+adam_step.multi_tensor_ = adam_step_multi_  # the in-place list form graft.ops.fused.adam_step_ looks for
+
+
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
         OP, adam_step, custom_op=adam_step_op,
@@ -152,6 +279,15 @@ def _aot_variants():
             yield variant(_adam_step_kernel, flags, pointer=f"*{dtype}", options={"num_warps": cfg["num_warps"]},
                           targets=(target,), m_ptr="*fp32", v_ptr="*fp32", m_out_ptr="*fp32", v_out_ptr="*fp32",
                           n=n, **scalars)
+
+
+    # the multi-tensor group kernel: bf16 params with fp32 moments (mixed precision), fp32
+    for target, cfg in per_target(TILES):
+        for p_type, adam_w in ((tl.bfloat16, True), (tl.float32, False)):
+            flags = dict(P_TYPE=p_type, G_TYPE=p_type, M_TYPE=tl.float32, V_TYPE=tl.float32, ADAM_W=adam_w,
+                         HAS_DECAY=True, BLOCK=cfg["block"], INTERPRET=False)
+            yield variant(_adam_multi_kernel, flags, pointer="*i64", options={"num_warps": cfg["num_warps"]},
+                          targets=(target,), block_tensor_ptr="*i32", **scalars)
 
 
 AOT_VARIANTS = list(_aot_variants())

@@ -37,7 +37,7 @@ from graft.kernels.triton._gemm_common import (
     tile_constexprs,
     tile_coords,
 )
-from graft.platform import triton_interpret
+from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
 SCALE_BLOCK = 128  # DeepSeek-V3's block: 128 K per activation scale, 128x128 per weight scale
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
@@ -93,7 +93,7 @@ def _fp8_kernel(
         xs = tl.load(xs_rows, mask=row_ok, other=0.0)
         ws = tl.load(ws_ptr + cols.to(tl.int64) * stride_ws_n, mask=col_ok, other=0.0)
         acc = acc * xs[:, None] * ws[None, :]
-    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K)
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K, False)
 
 
 def _scale_strides(scale: torch.Tensor, blockwise: bool) -> tuple[int, int]:
@@ -159,6 +159,8 @@ def fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
 def check(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
     if x_q.dtype != w_q.dtype:
         return f"x_q is {x_q.dtype} but w_q is {w_q.dtype}: the fp8 MMA takes one format"
+    if x_q.device.type == "cuda":  # the interpreter runs both flavours exactly
+        return fp8_flavour_reason(x_q.dtype, device_info(x_q.device).arch)
     return None
 
 
@@ -167,6 +169,14 @@ def register(registry) -> None:
         "gemm.fp8", fp8, custom_op=fp8_op, dtypes=FP8_DTYPES, check=check,
         description="Triton fp8 e4m3 GEMM, fp32 accumulation, per-tensor/row or 128x128 block scales, split-K",
     ))
+
+
+# Contiguous fp8 activations [M, K] and weight [N, K], contiguous output; DeepSeek-V3's
+# 128x128 block scales at K = 7168: x_scale [M, 56] and w_scale [N/128, 56] (56: no
+# divisibility hint, as at that launch); row scales [M, 1] and [N, 1].
+BLOCK_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1, stride_xs_m=56, stride_xs_g=1, stride_ws_n=56,
+                     stride_ws_g=1)
+ROW_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1, stride_xs_m=1, stride_xs_g=0, stride_ws_n=1, stride_ws_g=0)
 
 
 def _aot_variants():
@@ -185,6 +195,7 @@ def _aot_variants():
                 flags = dict(BLOCKWISE=blockwise, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
                              **tile_constexprs(cfg))
                 yield variant(_fp8_kernel, flags, pointer="*bf16", options=launch_options(cfg), targets=(target,),
+                              values=BLOCK_STRIDES if blockwise else ROW_STRIDES,
                               x_ptr=fp8_type[target], w_ptr=fp8_type[target], xs_ptr="*fp32", ws_ptr="*fp32")
 
 

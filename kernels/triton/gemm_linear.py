@@ -48,8 +48,10 @@ def _linear_kernel(
     UPCAST: tl.constexpr,  # dot flags: see graft.kernels.triton._dot
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
-    """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T)."""
+    """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T);
+    ACCUMULATE: y += (in y's dtype, fp32 for a gradient summed over chunks)."""
     tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_start = tl.program_id(1) * K_PER_SPLIT
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,7 +75,8 @@ def _linear_kernel(
         acc = dot_acc(a, b, acc, UPCAST, PRECISION)
         x_ptrs += step_x
         w_ptrs += step_w
-    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, SPLIT_K)
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, ACTIVATION, SPLIT_K,
+               ACCUMULATE)
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, **what_if) -> dict:
@@ -83,16 +86,20 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[i
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "none",
-           out: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, accumulate: bool = False) -> torch.Tensor:
     """``act(a @ b + bias)`` for 2-D ``a [M, K]``, ``b [K, N]`` of one float dtype and any
     strides (pass ``w.t()`` for a weight [N, K], ``dy.t()`` for dW: no copies), fp32
-    accumulation, into ``out`` (any strides, a's dtype or fp32) or a new [M, N] tensor.
+    accumulation, into ``out`` (any strides, a's dtype or fp32) or a new [M, N] tensor;
+    ``accumulate``: added to what ``out`` holds (``out +=``, one rounding to out's dtype:
+    a gradient summed over chunks in an fp32 ``out`` without a temporary).
 
     A plain launcher, not a custom op: call it inside a torch.library op (gemm.linear's,
     or a backward's). ``split_k`` forces the split count (default: :func:`plan`'s choice).
     """
     m, k = a.shape
     n = b.shape[1]
+    if accumulate and out is None:
+        raise ValueError("matmul(accumulate=True) adds to `out`: pass the tensor to add to")
     y = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return y
@@ -100,7 +107,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
         from graft.ops.gemm import apply_activation
 
         zero = torch.zeros((m, n), dtype=torch.float32, device=a.device)
-        return y.copy_(apply_activation(zero + (bias.float() if bias is not None else 0), activation))
+        epilogue = apply_activation(zero + (bias.float() if bias is not None else 0), activation)
+        return y.add_(epilogue.to(y.dtype)) if accumulate else y.copy_(epilogue)
     cfg = plan(m, n, k, a.dtype, a.device, split_k)
     splits = cfg["SPLIT_K"]
     target = splitk_workspace(cfg, m, n, a) if splits > 1 else y
@@ -110,11 +118,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
             a, b, bias if bias is not None else y, target,
             m, n, k, cfg["K_PER_SPLIT"],
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=splits,
+            HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=splits, ACCUMULATE=accumulate,
             **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
         if splits > 1:
-            splitk_reduce(target, bias, y, activation)
+            splitk_reduce(target, bias, y, activation, accumulate)
     return y
 
 
@@ -143,8 +151,8 @@ def register(registry) -> None:
     ))
 
 
-# Model shapes the plans are checked on (Llama-3-8B and 70B/TP8 projections), per M bucket.
-AOT_SHAPES = ((4096, 4096), (28672, 4096), (8192, 1024))
+# Model shapes the plans are checked on (Llama-3-8B, 70B/TP8 and 70B projections), per M bucket.
+AOT_SHAPES = ((4096, 4096), (28672, 4096), (8192, 1024), (10240, 8192), (57344, 8192), (8192, 28672))
 AOT_MS = (1, 16, 32, 64, 128, 4096)
 
 
@@ -159,6 +167,11 @@ def aot_plans(target: str, dtype: torch.dtype):
             key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
             seen.setdefault(key, cfg)
     return list(seen.values())
+
+
+# A launch on a model's activations and nn.Linear weight (read as weight.T): K contiguous in
+# both operands, N in the output; the JIT makes those unit strides constants (vector loads).
+UNIT_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1)
 
 
 def _aot_variants():
@@ -186,7 +199,15 @@ def _aot_variants():
                         flags = dict(HAS_BIAS=True, ACTIVATION=act, SPLIT_K=split, UPCAST=False, PRECISION=precision,
                                      **tile_constexprs(cfg))
                         yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
-                                      targets=(target,))
+                                      targets=(target,), values=UNIT_STRIDES)
+        # The fused linear cross-entropy's dW (Llama-3: vocabulary 128256, hidden 4096, chunks of
+        # 2048 tokens): logits.T [V, C] (M contiguous) @ x [C, H], added to an fp32 dW.
+        cfg = plan(128256, 4096, 2048, torch.bfloat16, "cuda", generation=GENERATION[target],
+                   sms=SM_COUNT[GENERATION[target]])
+        flags = dict(HAS_BIAS=False, ACTIVATION="none", SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, UPCAST=False,
+                     PRECISION="ieee", ACCUMULATE=True, **tile_constexprs(cfg))
+        yield variant(_linear_kernel, flags, pointer="*bf16", options=launch_options(cfg), targets=(target,),
+                      values=dict(stride_xm=1, stride_wn=1, stride_yn=1), y_ptr="*fp32")
     yield from reduce_aot_variants()
 
 

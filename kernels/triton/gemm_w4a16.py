@@ -111,7 +111,7 @@ def _w4a16_kernel(
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
         x_ptrs += x_step
         q_ptrs += q_step
-    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K)
+    store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn, HAS_BIAS, "none", SPLIT_K, False)
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, group_size: int, split_k: Optional[int] = None,
@@ -197,6 +197,11 @@ def register(registry) -> None:
     ))
 
 
+# GPTQ/AWQ checkpoints as loaded: packed qweight [K/8, N] (AWQ [K, N/8]), scales and zeros
+# [groups, N(/8)], all row-major; contiguous activations and output.
+UNIT_STRIDES = dict(stride_xk=1, stride_qn=1, stride_sn=1, stride_zn=1, stride_yn=1)
+
+
 def _aot_variants():
     """Every M bucket's plan per target (N=K=4096, group 128; the split and unsplit store),
     GPTQ and AWQ, with and without zeros, for each activation dtype."""
@@ -215,7 +220,7 @@ def _aot_variants():
                 flags = dict(AWQ=awq, HAS_ZEROS=zeros, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
                              PRECISION="ieee", **tile_constexprs(cfg))
                 yield variant(_w4a16_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
-                              targets=(target,), **packed)
+                              targets=(target,), values=UNIT_STRIDES, **packed)
 
 
 AOT_VARIANTS = list(_aot_variants())

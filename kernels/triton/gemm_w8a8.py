@@ -187,6 +187,11 @@ def register(registry) -> None:
     ))
 
 
+# Row-major int8 activations and [N, K] weight, per-token and per-channel scales, contiguous
+# output: the unit strides a model's launch passes (the JIT makes them constants).
+UNIT_STRIDES = dict(stride_xk=1, stride_wk=1, stride_xs=1, stride_ws=1, stride_yn=1)
+
+
 def _aot_variants():
     """Every plan the dispatcher launches per target over Llama-3 shapes and the M buckets
     (split ones with SPLIT_K=2: SPLIT_K only switches the store path), bf16 and fp16
@@ -203,11 +208,12 @@ def _aot_variants():
         for cfg in plans.values():
             for out in ("bf16", "fp16"):
                 flags = dict(HAS_BIAS=True, SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, **tile_constexprs(cfg))
-                yield variant(_w8a8_kernel, flags, pointer=f"*{out}",
-                              options=launch_options(cfg), targets=(target,), **types)
+                yield variant(_w8a8_kernel, flags, pointer=f"*{out}", options=launch_options(cfg),
+                              targets=(target,), values=UNIT_STRIDES, **types)
     for out, split in (("bf16", 4), ("fp16", 16)):
         yield variant(_w8a8_reduce_kernel, dict(SPLIT_K=split, HAS_BIAS=True, BLOCK_N=REDUCE_BLOCK_N),
-                      pointer=f"*{out}", part_ptr="*i32", xs_ptr="*fp32", ws_ptr="*fp32", options={"num_warps": 4})
+                      pointer=f"*{out}", part_ptr="*i32", xs_ptr="*fp32", ws_ptr="*fp32", options={"num_warps": 4},
+                      values=dict(stride_xs=1, stride_ws=1, stride_yn=1))
 
 
 AOT_VARIANTS = list(_aot_variants())

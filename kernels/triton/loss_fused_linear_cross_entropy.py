@@ -29,7 +29,7 @@ from graft.kernels.triton._aot import variant
 from graft.kernels.triton._attention_common import NEG_BIG
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton.gemm_linear import linear_op
+from graft.kernels.triton.gemm_linear import linear_op, matmul
 
 OP = "loss.fused_linear_cross_entropy"
 TILES = {
@@ -97,7 +97,7 @@ def _flce(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Opt
                                             int(ignore_index), BLOCK_V=block_v, num_warps=cfg["num_warps"])
             if compute_grad:  # logits now hold dlogits
                 dx[start:start + chunk] = linear_op(logits, weight.t(), None, "none")
-                dw += linear_op(logits.t(), xc.t(), None, "none").float()
+                matmul(logits.t(), xc, out=dw, accumulate=True)  # dW += in fp32, in place
                 if db is not None:
                     db += logits.float().sum(0)
     if reduction == "none":
@@ -145,7 +145,7 @@ def _flce_backward_none(x: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                                             int(ignore_index), BLOCK_V=block_v, num_warps=cfg["num_warps"])
             logits.mul_(dloss[start:start + chunk, None].to(logits.dtype))  # ... times each row's dloss
             dx[start:start + chunk] = linear_op(logits, weight.t(), None, "none")
-            dw += linear_op(logits.t(), xc.t(), None, "none").float()
+            matmul(logits.t(), xc, out=dw, accumulate=True)  # dW += in fp32, in place
             if db is not None:
                 db += logits.float().sum(0)
     return dx, dw.to(weight.dtype), db.to(bias.dtype) if db is not None and bias is not None else x.new_empty(0)

@@ -120,6 +120,16 @@ def _scatter_kernel(
     tl.store(sorted_ptr + base + rank, offs, mask=valid)
 
 
+# _blocks_kernel compares BLOCK_B blocks with BLOCK_E expert ends in one [BLOCK_B, BLOCK_E]
+# tile: past this many elements (256 x 256) it spills on gfx942 (44 VGPRs at 512 experts, 136
+# at 1024 with BLOCK_B = 256), so wide routers take fewer blocks per program.
+BLOCKS_TILE_ELEMS = 256 * 256
+
+
+def blocks_per_program(block_e: int, cfg: dict) -> int:
+    return max(16, min(cfg["blocks"], BLOCKS_TILE_ELEMS // block_e))
+
+
 def _block_n(num_experts: int, device) -> tuple[int, int, dict]:
     cfg = tile_config(TILES, device)
     block_e = triton.next_power_of_2(max(num_experts, 2))
@@ -156,9 +166,10 @@ def align_block_size_launch(topk_ids: torch.Tensor, block_size: int, num_experts
     scan_e, scan_c = scan_tiles(block_e, cfg)
     _scan_kernel[(block_e // scan_e,)](counts, totals, num_chunks, BLOCK_E=block_e, SCAN_E=scan_e, SCAN_C=scan_c,
                                        num_warps=warps)
-    _blocks_kernel[(triton.cdiv(max_blocks, cfg["blocks"]),)](
+    block_b = blocks_per_program(block_e, cfg)
+    _blocks_kernel[(triton.cdiv(max_blocks, block_b),)](
         totals, starts, expert_ids, post_pad, num_experts, max_blocks, block_size,
-        BLOCK_E=block_e, BLOCK_B=cfg["blocks"], num_warps=warps,
+        BLOCK_E=block_e, BLOCK_B=block_b, num_warps=warps,
     )
     if num_chunks:
         _scatter_kernel[(num_chunks,)](
@@ -208,7 +219,7 @@ def _aot_variants():
                               targets=(target,))
             yield variant(_scan_kernel, dict(BLOCK_E=block_e, SCAN_E=scan_e, SCAN_C=scan_c), pointer="*i32",
                           options=options, targets=(target,))
-            yield variant(_blocks_kernel, dict(BLOCK_E=block_e, BLOCK_B=cfg["blocks"]), pointer="*i32",
+            yield variant(_blocks_kernel, dict(BLOCK_E=block_e, BLOCK_B=blocks_per_program(block_e, cfg)), pointer="*i32",
                           options=options, targets=(target,))
 
 

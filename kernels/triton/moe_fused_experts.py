@@ -151,7 +151,7 @@ def _down_kernel(
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
     out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -167,8 +167,15 @@ def _combine_kernel(
         # A skipped id (-1: another rank's expert; out of range) has no slot row: it adds nothing.
         expert = tl.full([BLOCK_H], 0, tl.int32) + tl.load(ids_ptr + token * stride_it + j * stride_ik)
         used = (expert >= 0) & (expert < num_experts)
-        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0)
+        acc += tl.load(slot_out_ptr + (token * top_k + j) * hidden_size + cols, mask=ok & used, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def slot_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The per-slot expert outputs (weighted, summed per token in fp32 by the combine): bf16
+    for bf16 activations (half the bytes of the slot round trip, one rounding per slot as
+    vLLM's fused_moe); fp32 otherwise (fp16's range could overflow a slot the sum stays within)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def launch_config(num_slots: int, num_experts: int, device, dtype: torch.dtype) -> dict:
@@ -220,7 +227,7 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg):
     # keep them in fp32 and run GEMM 2 as TF32 (fp16's mantissa, fp32's range).
     act_f32 = hidden.dtype == torch.float16
     act = torch.empty((num_slots, inter), dtype=torch.float32 if act_f32 else hidden.dtype, device=device)
-    slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=device)
+    slot_out = torch.empty((num_slots, hidden_size), dtype=slot_dtype(hidden.dtype), device=device)
     flags = dict(
         **dot_flags(hidden.dtype, device),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -272,6 +279,19 @@ def register(registry) -> None:
     ))
 
 
+# DeepSeek-V3's MoE as a launch sees it (256 experts, top-8, hidden 7168, intermediate 2048,
+# 1024 tokens): contiguous hidden states [T, H], w13 [E, 2I, H], w2 [E, H, I], slot buffers
+# [slots, I] and [slots, H], routing [T, 8]. Unit strides become JIT constants; 8 gets no
+# divisibility hint, as at that launch.
+DEEPSEEK_V3 = dict(top_k=8, hidden_size=7168, inter=2048, num_slots=8192)
+GATE_UP_VALUES = dict(DEEPSEEK_V3, stride_xt=7168, stride_xh=1, stride_we=2 * 2048 * 7168, stride_wn=7168,
+                      stride_wh=1, stride_as=2048, stride_ai=1)
+DOWN_VALUES = dict(DEEPSEEK_V3, stride_as=2048, stride_ai=1, stride_we=7168 * 2048, stride_wh=2048, stride_wi=1,
+                   stride_os=7168, stride_oh=1, stride_rt=8, stride_rk=1)
+COMBINE_VALUES = dict(hidden_size=7168, top_k=8, num_experts=256, stride_ot=7168, stride_oh=1, stride_it=8,
+                      stride_ik=1)
+
+
 def _aot_variants():
     """Per target: both GEMMs for the "large" and "small" tiles and each dtype, and the combine."""
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -283,17 +303,19 @@ def _aot_variants():
                          GROUP_M=blocks["GROUP_M"])
             act = {"act_ptr": "*fp32"} if name == "fp16" else {}
             yield variant(_gate_up_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer=f"*{name}",
-                          options=options, targets=(target,), **routing, **act)
+                          options=options, targets=(target,), values=GATE_UP_VALUES, **routing, **act)
             down = dict(flags, BLOCK_N=blocks["BLOCK_N"])
             if name == "fp16":  # fp32 activations, TF32 GEMM 2 (see _launch)
                 yield variant(_down_kernel, dict(down, ACT_F32=True, PRECISION="tf32"), pointer="*fp16",
-                              options=options, targets=(target,), act_ptr="*fp32", slot_out_ptr="*fp32",
-                              weights_ptr="*fp32", **routing)
+                              options=options, targets=(target,), values=DOWN_VALUES, act_ptr="*fp32",
+                              slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
             else:
-                yield variant(_down_kernel, down, pointer=f"*{name}", options=options,
-                              targets=(target,), slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                yield variant(_down_kernel, down, pointer=f"*{name}", options=options, targets=(target,),
+                              values=DOWN_VALUES, slot_out_ptr=f"*{'bf16' if name == 'bf16' else 'fp32'}",
+                          weights_ptr="*fp32", **routing)
     for name, block_h in (("bf16", COMBINE_BLOCK_H), ("fp32", 64)):
-        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr="*fp32", ids_ptr="*i32")
+        yield variant(_combine_kernel, dict(BLOCK_H=block_h), pointer=f"*{name}", slot_out_ptr=f"*{name}", ids_ptr="*i32",
+                      values=COMBINE_VALUES)
 
 
 AOT_VARIANTS = list(_aot_variants())

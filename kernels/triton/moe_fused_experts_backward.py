@@ -203,10 +203,12 @@ def _aot_variants():
         opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
         yield variant(_grouped_rows_kernel, dict(BLOCK_M=cfg["ALIGN"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                                  **flags), pointer="*bf16", options=opts, targets=(target,),
+                      values=dict(stride_ak=1, stride_bn=1, stride_cn=1),  # dx and the down GEMM's grad
                       sorted_ptr="*i32", expert_ids_ptr="*i32", post_pad_ptr="*i32", c_ptr="*fp32")
         yield variant(_grouped_wgrad_kernel, dict(HAS_SCALE=True, ALIGN=cfg["ALIGN"], BLOCK_M=cfg["WG_M"],
                                                   BLOCK_N=cfg["WG_N"], **flags), pointer="*bf16", options=opts,
-                      targets=(target,), scale_ptr="*fp32", sorted_ptr="*i32", block_start_ptr="*i32",
+                      targets=(target,), values=dict(top_k=8, stride_lc=1, stride_rc=1, stride_dn=1, stride_sk=1),
+                      scale_ptr="*fp32", sorted_ptr="*i32", block_start_ptr="*i32",
                       block_end_ptr="*i32")
 
 

@@ -25,8 +25,11 @@ from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
 from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.kernels.triton.moe_fused_experts import DOWN_VALUES as _DOWN_VALUES
+from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VALUES
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
-from graft.platform import triton_interpret
+from graft.kernels.triton.moe_fused_experts import slot_dtype
+from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -121,7 +124,7 @@ def _down_fp8_kernel(
     route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
     acc = acc * route_w.to(tl.float32)[:, None]
     out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def launch_config(num_slots: int, num_experts: int, device) -> dict:
@@ -161,7 +164,7 @@ def _fused_experts_fp8(
             BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, GROUP_M=group_m, **flags,
         )  # fmt: skip
         a_q, a_s = quantize_act(act, w2_q.dtype)
-        slot_out = torch.empty((num_slots, hidden_size), dtype=torch.float32, device=hidden.device)
+        slot_out = torch.empty((num_slots, hidden_size), dtype=slot_dtype(hidden.dtype), device=hidden.device)
         n_tiles = triton.cdiv(hidden_size, block_n)
         _down_fp8_kernel[(max_blocks * n_tiles,)](
             a_q, a_s, w2_q, w2_scale, slot_out, topk_weights, sorted_ids, expert_ids, post_pad,
@@ -190,11 +193,23 @@ def _call(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, acti
     return fused_experts_fp8_triton(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation)
 
 
+def check(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation="silu"):
+    if w13_q.device.type == "cuda":  # the interpreter runs both flavours exactly
+        return fp8_flavour_reason(w13_q.dtype, device_info(w13_q.device).arch)
+    return None
+
+
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES,
+        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES, check=check,
         description="fp8 block-scaled grouped expert GEMMs (DeepSeek-V3 style), grouped tile order, ordered combine",
     ))
+
+
+# DeepSeek-V3 (see moe_fused_experts.GATE_UP_VALUES) with fp8 weights and 128x128 block
+# scales: activation scales [T, 56] and [slots, 16], weight scales [E, 32, 56] and [E, 56, 16].
+GATE_UP_FP8_VALUES = dict(_GATE_UP_VALUES, stride_xst=56, stride_xsg=1, stride_se=32 * 56, stride_sn=56, stride_sg=1)
+DOWN_FP8_VALUES = dict(_DOWN_VALUES, stride_ass=16, stride_asg=1, stride_se=56 * 16, stride_sh=16, stride_sg=1)
 
 
 def _aot_variants():
@@ -208,11 +223,11 @@ def _aot_variants():
             blocks, options = split_tiles(table[size])
             flags = dict(UPCAST=False, BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"], GROUP_M=blocks["GROUP_M"])
             yield variant(_gate_up_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer="*bf16",
-                          options=options, targets=(target,), x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
+                          options=options, targets=(target,), values=GATE_UP_FP8_VALUES, x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
                           **routing)
             yield variant(_down_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"]), pointer="*bf16", options=options,
-                          targets=(target,), a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
-                          slot_out_ptr="*fp32", weights_ptr="*fp32", **routing)
+                          targets=(target,), values=DOWN_FP8_VALUES, a_ptr=fp8, w2_ptr=fp8, as_ptr="*fp32", ws_ptr="*fp32",
+                          slot_out_ptr="*bf16", weights_ptr="*fp32", **routing)
 
 
 AOT_VARIANTS = list(_aot_variants())

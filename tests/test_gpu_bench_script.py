@@ -1,0 +1,168 @@
+"""``ci/gpu_bench.sh`` itself, run here on the CPU (``BENCH_DEVICE=cpu``, tiny shapes), so a
+GPU run cannot be wasted by the script: graft is installed when its entry points are missing
+(also where pip cannot build it), a run killed mid-case leaves a readable report of every
+finished case, and the cases come in tier order with valid baselines and a roofline."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = "--quick --backends torch --rounds 1 --tag t --target h200"
+
+
+def _script_env(tmp_path, python, extra_args, **env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "BENCH_", "TRITON_"))}
+    clean.pop("PYTHONPATH", None)
+    return dict(clean, PYTHON=str(python), BENCH_DEVICE="cpu", BENCH_OUT=str(tmp_path / "out"),
+                BENCH_ARGS=extra_args, **env)
+
+
+def _copy_tree(dest: Path) -> Path:
+    """This checkout's files (tracked and new, not ignored; without git: all but the
+    environments and build outputs)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        skip = shutil.ignore_patterns(".venv*", ".git", "build", "__pycache__", "*.egg-info", "*.so", "benchmarks")
+        shutil.copytree(ROOT, dest, symlinks=True, ignore=skip)
+        return dest
+    for name in filter(None, listed.stdout.split(b"\0")):
+        src, dst = ROOT / os.fsdecode(name), dest / os.fsdecode(name)
+        if not src.exists() and not src.is_symlink():
+            continue  # deleted in the working tree
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+    return dest
+
+
+def _venv_without_graft(dest: Path, drop=()) -> Path:
+    """A venv with every package of this one (linked) except graft, and except ``drop``."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    site = Path(sysconfig.get_paths()["purelib"])
+    (new_site,) = (dest / "lib").glob("python*/site-packages")
+    for entry in site.iterdir():
+        name = entry.name.lower()
+        if "graft" in name or any(name.startswith(d) for d in drop):
+            continue
+        os.symlink(entry, new_site / entry.name)
+    return dest / "bin" / "python"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["pip", "by_hand"])
+def test_installs_graft_when_its_entry_points_are_missing(tmp_path, how):
+    """From a fresh interpreter that cannot import graft: the script installs it (pip without
+    network; where pip cannot build, e.g. no setuptools, a dist-info with the entry points)
+    and the cases then find graft's implementations."""
+    tree = _copy_tree(tmp_path / "tree")
+    python = _venv_without_graft(tmp_path / "venv", drop=("setuptools",) if how == "by_hand" else ())
+    probe = subprocess.run([str(python), "-c", "import graft"], cwd="/", capture_output=True, text=True)
+    assert probe.returncode != 0, "the venv under test must not see graft"
+    proc = subprocess.run(["bash", str(tree / "ci/gpu_bench.sh")], capture_output=True, text=True, timeout=540,
+                          env=_script_env(tmp_path, python, QUICK + " --families fused"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "== installing graft (graft is not importable outside the source tree" in out, out[-4000:]
+    if how == "by_hand":
+        assert "registering its entry points from pyproject.toml" in out, out[-4000:]
+        assert (tree / "build/gpu-bench-site/graft-0.1.0.dist-info/entry_points.txt").is_file()
+    else:
+        assert "registering" not in out
+    report = json.loads((tmp_path / "out/kernels-t.json").read_text())
+    assert report["results"] and all(r["status"] == "ok" for r in report["results"]), out[-4000:]
+    assert all("graft:torch" in r["timings"] for r in report["results"])
+    # a second run finds graft ready and installs nothing
+    if how == "pip":
+        again = subprocess.run(["bash", str(tree / "ci/gpu_bench.sh")], capture_output=True, text=True, timeout=300,
+                               env=_script_env(tmp_path, python, QUICK + " --families fused --match rms_norm"))
+        assert again.returncode == 0 and "installing graft" not in again.stdout, again.stdout + again.stderr
+
+
+def test_a_graft_installed_from_another_tree_is_not_ready(tmp_path):
+    """The guard compares where graft imports from with the script's tree (a venv pointing at
+    another checkout would benchmark other code)."""
+    tree = _copy_tree(tmp_path / "tree")
+    text = (tree / "ci/gpu_bench.sh").read_text()
+    guard = text[text.index("graft_ready() {"):text.index("\n}\n", text.index("graft_ready() {")) + 3]
+    check = f'{guard}\nROOT={tree}\nPY={sys.executable}\ngraft_ready'
+    proc = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not from this tree" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_run_killed_mid_case_leaves_a_report_of_what_finished(tmp_path):
+    """SIGTERM to the whole script while a case runs (what a CI job's timeout sends): the JSON
+    already holds every finished case, the one in flight is marked killed and the rest pending."""
+    # 300 interleaved rounds: each case takes seconds, so the kill lands inside the next one
+    args = "--quick --backends torch --rounds 300 --tag t --families fused --target h200"
+    report = tmp_path / "out/kernels-t.json"
+    proc = subprocess.Popen(["bash", str(ROOT / "ci/gpu_bench.sh")], env=_script_env(tmp_path, sys.executable, args),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if report.exists() and any(r["status"] == "ok" for r in json.loads(report.read_text())["results"]):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stdout.read()[-3000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "installing graft" not in out
+    data = json.loads(report.read_text())
+    statuses = [r["status"] for r in data["results"]]
+    assert len(statuses) == 6, statuses  # the whole plan is in the report from the start
+    assert statuses.count("ok") >= 1 and statuses.count("pending") >= 1, statuses
+    assert set(statuses) <= {"ok", "killed", "pending"}, statuses
+    assert statuses.count("killed") <= 1
+    assert "stopped by SIGTERM" in out or "killed" not in statuses, out[-3000:]
+    assert statuses.index("pending") > max(i for i, s in enumerate(statuses) if s == "ok")  # run in plan order
+    if "killed" in statuses:  # the handler ran (SIGTERM between two cases kills none)
+        assert data["environment"]["stopped_by"] == "SIGTERM"
+    for r in data["results"]:
+        if r["status"] == "ok":
+            assert r["ratios"] and r["timings"]["graft:torch"]["median_s"] > 0
+
+
+def test_plan_order_baselines_and_roofline(tmp_path):
+    """Tier 0 (per family its most informative cases) before the rest, in every family; W8A8
+    below _int_mm's M limit against a baseline that runs there; the roofline is the larger of
+    bytes at peak bandwidth and FLOPs at the peak MMA rate, beside each measured time."""
+    from graft.kernels import bench
+
+    plan = bench.all_cases(list(bench.FAMILIES), False, None)
+    tiers = [c.tier for c in plan]
+    assert tiers == sorted(tiers) and tiers[0] == 0
+    tier0 = [c for c in plan if c.tier == 0]
+    assert {c.family for c in tier0} == set(bench.FAMILIES) and len(tier0) <= 24
+    assert {c.params["op"] for c in tier0 if c.family == "gemm"} == {
+        "linear_bf16", "w8a8", "fp8_tensor", "fp8_block", "w4a16_gptq"}
+
+    assert bench.main(["--device", "cpu", "--quick", "--backends", "torch", "--rounds", "1", "--out", str(tmp_path),
+                       "--tag", "t", "--target", "mi300x", "--families", "gemm", "--match", "w8a8"]) == 0
+    results = {r["name"]: r for r in json.loads((tmp_path / "kernels-t.json").read_text())["results"]}
+    assert "torch._int_mm(rows padded to 32)+scales" in results["w8a8_m16_n64_k96"]["timings"]
+    assert "torch._int_mm+scales" in results["w8a8_m33_n64_k96"]["timings"]
+    for r in results.values():
+        assert r["status"] == "ok" and all("median_s" in t for t in r["timings"].values()), r
+        peak = bench.ROOFLINES["mi300x"]
+        ideal = max(r["bytes"] / peak["bandwidth"], r["flops"] / peak["flops"]["int8"])
+        assert r["roofline"]["ideal_s"] == pytest.approx(ideal)
+        for label, t in r["timings"].items():
+            assert r["roofline"]["fraction"][label] == pytest.approx(ideal / t["median_s"])
+    assert bench.roofline_target("NVIDIA H200") == "h200" and bench.roofline_target("AMD Instinct MI300X") == "mi300x"
+    assert bench.roofline_target("NVIDIA A100-SXM4-80GB") is None
