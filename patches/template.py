@@ -150,8 +150,9 @@ class PatchTemplate:
     # ("fused", "rms_norm"). Such a patch is generated only with GPU numbers from that
     # benchmark (``--bench-results``); without them it is left out, and generate says why.
     benchmark: tuple = ()
-    # The upstream commit (or release) each anchor was last checked against, per source
-    # kind: {"release": "0.19.8", "main": "<sha>"}; tests/test_patches_upstream.py keeps it true.
+    # What the anchors were last checked against: {"release": "<pinned version>", "<snapshot>":
+    # "<upstream commit>"}, a snapshot being a folder of tests/upstream_snapshots (SOURCES.json
+    # records its commit); tests/test_patches_upstream.py keeps both true.
     checked_against: dict = field(default_factory=dict)
 
     def supports(self, version: str) -> bool:

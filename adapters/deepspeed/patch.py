@@ -365,7 +365,7 @@ accelerators end up rebinding DeepSpeed's module attributes instead.""",
             retire="once a release carries this, graft.adapters.deepspeed.integration stops rebinding "
                    "FusedAdamBuilder/CPUAdamBuilder in deepspeed.* modules (_rebind_builders) for that release; "
                    "set_accelerator(GraftAccelerator(...)) alone then routes Adam to graft.",
-            checked_against={"release": "0.19.8", "main": "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"},
+            checked_against={"release": "0.19.8", "deepspeed-main": "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"},
         ),
         _rms_norm.rms_norm_template(
             framework_title="DeepSpeed",

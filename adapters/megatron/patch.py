@@ -354,7 +354,7 @@ every change to it.""",
             retire="once a release carries this, graft.adapters.megatron.spec.get_gpt_layer_graft_spec becomes "
                    "get_gpt_layer_local_spec(..., backend=GraftSpecProvider(off)) for that release, and graft's "
                    "copy of the layer structure is deleted when graft's minimum megatron-core includes it.",
-            checked_against={"release": "0.16.1", "main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553"},
+            checked_against={"release": "0.16.1", "megatron-main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553"},
         ),
         _rms_norm.rms_norm_template(
             framework_title="Megatron-core",

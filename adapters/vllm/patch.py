@@ -431,7 +431,7 @@ enabled_custom_ops reports it as "RMSNorm".""",
             retire="once a release carries this, graft.adapters.vllm._registration.register_oot stops restoring "
                    "the in-tree name after CustomOp.register_oot for that release; the line goes when graft's "
                    "minimum vLLM includes it.",
-            checked_against={"release": "0.33.0", "newer release": "0.34.0"},
+            checked_against={"release": "0.33.0", "vllm-0.34.0": "62d4bc3c7"},
         ),
         _rms_norm.rms_norm_template(
             framework_title="vLLM",
