@@ -24,7 +24,9 @@ def explain(framework: str) -> str:
         lines += _block("where it runs", "the default configuration: no setting turns it on" if t.reach == "default"
                         else f"not by default; turned on by: {t.reach}")
         if t.tests:
-            lines += _block("tests", f"{t.tests[0]} (new, in the project's default test selection)"
+            selection = ("new, in the project's default test selection" if "-m" not in t.test_args else
+                         f"new; run with {' '.join(t.test_args)}: the project's default selection leaves it out")
+            lines += _block("tests", f"{t.tests[0]} ({selection})"
                             + (f"; existing tests run beside it: {', '.join(t.tests[1:])}" if t.tests[1:] else ""))
         if t.benchmark:
             lines += _block("generated", "only with GPU numbers from kernels/bench.py "

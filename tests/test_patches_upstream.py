@@ -18,7 +18,7 @@ import pytest
 from graft.patches.check import APPLIES, check
 from graft.patches.generate import select_templates
 
-from test_patches import _installed_sources, gen, git
+from test_patches import _installed_sources, bench_json, gen, git
 
 SNAPSHOTS = Path(__file__).parent / "upstream_snapshots"
 SOURCES = json.loads((SNAPSHOTS / "SOURCES.json").read_text())
@@ -64,6 +64,11 @@ def test_series_applies_to_the_newest_upstream_snapshot(framework, tmp_path):
         report = check(tree, out, import_check=False)
         assert [p.status for p in report.patches] == [APPLIES] and report.ok, report.failures()
         assert not report.warnings, report.warnings  # inside the declared version range
+    if framework == "megatron":  # the kernel patch follows main too, when it has GPU numbers to carry
+        tree = tmp_path / "megatron-main"
+        gen(framework, tree, tmp_path / "kernel-out", names=["megatron-triton-rms-norm"],
+            bench_results=bench_json(tmp_path / "bench.json"))
+        assert check(tree, tmp_path / "kernel-out", import_check=False).ok
 
 
 @pytest.mark.slow

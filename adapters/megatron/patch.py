@@ -181,14 +181,18 @@ DOC_OLD = """
 # which adds its own argument after qk_l2_norm.
 DOC_NEW = """        normalization (str, optional): "RMSNorm" for RMSNorm, "TritonRMSNorm" for the
             Triton RMSNorm in megatron.core.fusions.fused_rms_norm_triton, else LayerNorm.
-""" + DOC_OLD
+"""
+# The "Returns:" line of the release (0.16) and of main, where the function builds submodules.
+DOC_PATTERN = (r"^(\n    Returns:\n        (?:ModuleSpec: Module specification with Megatron-Core modules|"
+               r"TransformerLayerSubmodules: Megatron-Core modules to construct a TransformerLayer)\n)")
 
 
 def _changes() -> list:
     return [
         CreateFile(MODULE_PATH, HEADER + _rms_norm.kernel_and_launcher(name="_rms_norm") + MODULE),
         ReplaceText(SPECS_PATH, SPEC_OLD, SPEC_NEW),
-        ReplaceText(SPECS_PATH, DOC_OLD, DOC_NEW),
+        ReplaceRegex(SPECS_PATH, DOC_PATTERN, DOC_NEW.replace("\\", "\\\\") + r"\1",
+                     applied=r'^        normalization \(str, optional\): "RMSNorm" for RMSNorm, "TritonRMSNorm"'),
         CreateFile(TEST_PATH, TEST),
     ]
 
@@ -361,7 +365,7 @@ every change to it.""",
             what="norm override in graft.adapters.megatron's layer spec",
             name="megatron-triton-rms-norm",
             framework="megatron",
-            supported=">=0.16,<0.18",
+            supported=">=0.16,<0.21",
             subject="Add a Triton RMSNorm module, selectable from the local GPT layer spec",
             motivation="""\
 Without Transformer Engine or Apex, the local spec normalises with
