@@ -68,7 +68,7 @@ def run(args) -> int:
     if action == "explain":
         from graft.patches.explain import explain
 
-        print(explain(args.framework))
+        print(explain(args.framework), end="")
         return 0
     if action == "check":
         return _check(args)

@@ -727,15 +727,20 @@ def test_check_counts_tests_and_calls_an_all_skipped_run_not_checked(vllm_repo, 
 
 
 def test_explain_says_why_each_patch_matters_upstream():
+    from graft.patches.explain import explain
+
     for framework, module in (("vllm", vllm_template), ("deepspeed", ds_template), ("megatron", mlm_template)):
-        proc = graft_cli("explain", framework)
-        assert proc.returncode == 0, proc.stderr
+        text = explain(framework)
         for t in module.templates():
-            assert t.name in proc.stdout
-        assert proc.stdout.count("why upstream wants it:") == len(module.templates())
-        assert "where it runs:\n    the default configuration" in proc.stdout
-        assert "not by default; turned on by:" in proc.stdout  # the kernel patch states its switch
-        assert "generated:\n    only with GPU numbers from kernels/bench.py" in proc.stdout
-        assert "graft drops:" in proc.stdout
+            assert t.name in text
+        assert text.count("why upstream wants it:") == len(module.templates())
+        assert "where it runs:\n    the default configuration" in text
+        assert "not by default; turned on by:" in text  # the kernel patch states its switch
+        assert "generated:\n    only with GPU numbers from kernels/bench.py" in text
+        assert "graft drops:" in text
+    assert "run with -m inference_ops: the project's default selection leaves it out" in " ".join(
+        explain("deepspeed").split())
+    proc = graft_cli("explain", "megatron")
+    assert proc.returncode == 0 and proc.stdout == explain("megatron")
     proc = graft_cli("explain", "tensorflow")
     assert proc.returncode == 2 and "unknown framework 'tensorflow'" in proc.stderr
