@@ -6,6 +6,6 @@ tree with :class:`~graft.patches.template.PatchTemplate` objects (returned from 
 ``git format-patch`` files against a checkout; ``graft patches check`` verifies they
 apply cleanly and that the patched tree still imports.
 """
-from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceText
+from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceRegex, ReplaceText
 
-__all__ = ["PatchTemplate", "CreateFile", "InsertAfter", "ReplaceText"]
+__all__ = ["PatchTemplate", "CreateFile", "InsertAfter", "ReplaceRegex", "ReplaceText"]

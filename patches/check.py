@@ -41,6 +41,19 @@ class TestRun:
     failed: set = field(default_factory=set)  # node ids that failed or errored
     baseline: str | None = None  # for existing upstream tests: the unpatched tree's summary
     regressions: list = field(default_factory=list)  # fail patched, not unpatched
+    counts: dict = field(default_factory=dict)  # passed/failed/skipped/error/... -> number, from the summary
+    baseline_counts: dict = field(default_factory=dict)
+
+    @property
+    def not_checked(self) -> bool:
+        """No test passed: every one was skipped (or none was collected), or, for existing
+        upstream tests, none passes here even unpatched (so "no new failures" proves nothing)."""
+        return not any(self.counts.get(k) for k in ("passed", "xfailed", "xpassed"))
+
+    def tally(self) -> str:
+        """``3 passed, 0 failed, 2 skipped`` (errors count as failed)."""
+        failed = self.counts.get("failed", 0) + self.counts.get("error", 0)
+        return f"{self.counts.get('passed', 0)} passed, {failed} failed, {self.counts.get('skipped', 0)} skipped"
 
 
 @dataclass
@@ -61,6 +74,8 @@ class CheckReport:
         out += [f"{module} does not import" for module, e in self.imports if e is not None]
         out += [f"{r.tool} reports problems" for r in self.lint if not r.ok]
         out += [f"tests fail ({t.summary})" for t in self.tests if not t.ok]
+        out += [f"the patch's new tests were not checked ({t.summary}): none of them passed"
+                for t in self.tests if t.ok and t.baseline is None and t.not_checked]
         if self.refusal:
             out.insert(0, self.refusal)
         return out
@@ -153,14 +168,19 @@ def check(source, patches_dir, upstream_version=None, import_check=True, python=
             from graft.patches.projects import project
 
             report.lint = run_linters(project(framework), work, py_changed)
+            report.warnings += [r.note for r in report.lint if r.note]
         if run_tests:
             files = [f for t in (manifest or {}).get("templates", []) for f in t.get("tests", [])]
             extra = [a for t in (manifest or {}).get("templates", []) for a in t.get("test_args", [])]
+            added = set(git(work, "diff", "--cached", "--name-only", "--diff-filter=A").stdout.split())
             missing = [f for f in files if not (work / f).exists()]
-            if missing:
+            if [f for f in missing if f in added or f == files[0]]:
                 report.tests.append(TestRun(missing, False, f"test files not in the patched tree: {', '.join(missing)}"))
             elif files:
-                report.tests += _run_tests(python, source, work, Path(tmp) / "base", files, extra, test_timeout)
+                if missing:  # e.g. a tree copied from an installed package: no tests/ beside it
+                    report.warnings.append(f"existing upstream tests not in {source}, not checked: {', '.join(missing)}")
+                present = [f for f in files if f not in missing]
+                report.tests += _run_tests(python, source, work, Path(tmp) / "base", present, extra, test_timeout)
     return report
 
 
@@ -178,6 +198,7 @@ def _run_tests(python, source, work, base_dir, files, extra, timeout) -> list:
         scratch_copy(source, base_dir, worktree=True)
         unpatched = _pytest(python, base_dir, existing, timeout, extra)
         patched.baseline = unpatched.summary
+        patched.baseline_counts = unpatched.counts
         patched.regressions = sorted(patched.failed - unpatched.failed)
         collection_broke = patched.summary.startswith("exit code") and not unpatched.summary.startswith("exit code")
         patched.ok = patched.ok or (not patched.regressions and not collection_broke)
@@ -222,4 +243,13 @@ def _pytest(python: str, root: Path, files: list, timeout: int, extra=()) -> Tes
                     if re.search(r"\b(passed|failed|error|skipped|no tests ran)\b", line)), f"exit code {proc.returncode}")
     device = "GPU" if "TRITON_INTERPRET" not in env else "CPU, Triton interpreter"
     failed = {line.split()[1] for line in output.splitlines() if re.match(r"(FAILED|ERROR) \S", line)}
-    return TestRun(files, proc.returncode == 0, f"{summary} [{device}]", output, failed)
+    return TestRun(files, proc.returncode == 0, f"{summary} [{device}]", output, failed, counts=summary_counts(summary))
+
+
+def summary_counts(summary: str) -> dict:
+    """``{"passed": 3, "skipped": 2}`` from pytest's last line ("3 passed, 2 skipped in 1.2s")."""
+    counts: dict = {}
+    for number, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b", summary):
+        kind = "error" if kind.startswith("error") else kind
+        counts[kind] = counts.get(kind, 0) + int(number)
+    return counts

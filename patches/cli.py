@@ -8,6 +8,9 @@ import warnings
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="patches_command", metavar="ACTION")
     sub.add_parser("list", help="list the installed patch templates")
+    exp = sub.add_parser("explain", help="per patch of a project: why upstream would want it, where it runs, "
+                                         "what it tests and what graft drops once it is merged")
+    exp.add_argument("framework", help="the upstream project (vllm, deepspeed, megatron or one a plugin adds)")
     gen = sub.add_parser("generate", help="write git format-patch files for a framework's source tree")
     gen.add_argument("framework", help="the upstream project (vllm, deepspeed, megatron or one a plugin adds)")
     gen.add_argument("--source", required=True, help="upstream checkout (or unpacked sdist) to patch")
@@ -15,6 +18,9 @@ def add_arguments(parser) -> None:
     gen.add_argument("--upstream-version", help="the source's version, when it cannot be read from the tree")
     gen.add_argument("--template", action="append", help="only these templates (repeatable)")
     gen.add_argument("--conformance", help="graft conformance JSON report whose results go into the messages")
+    gen.add_argument("--bench-results", metavar="JSON",
+                     help="kernels/bench.py results from a GPU (kernels-<tag>.json): kernel patches are generated "
+                          "only with it, their messages quote its numbers")
     gen.add_argument("--author", help="'Name <email>' for the commits (required with --signoff)")
     gen.add_argument("-s", "--signoff", action="store_true", help="add a DCO Signed-off-by line for --author")
     gen.add_argument("-v", "--reroll-count", type=int, metavar="N", help="mark the series as version N ([PATCH vN])")
@@ -52,15 +58,21 @@ def run(args) -> int:
             paths = generate(args.framework, args.source, args.out, args.upstream_version, args.template,
                              args.conformance, args.author, signoff=args.signoff, reroll=args.reroll_count,
                              cover_letter=args.cover_letter, allow_dirty=args.allow_dirty,
-                             graft_trailers=args.graft_trailers, format_code=not args.no_format)
+                             graft_trailers=args.graft_trailers, format_code=not args.no_format,
+                             bench_results=args.bench_results)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
         for p in paths:
             print(p)
         return 0
+    if action == "explain":
+        from graft.patches.explain import explain
+
+        print(explain(args.framework), end="")
+        return 0
     if action == "check":
         return _check(args)
-    print("graft patches: choose an action: list, generate or check", file=sys.stderr)
+    print("graft patches: choose an action: list, explain, generate or check", file=sys.stderr)
     return 2
 
 
@@ -90,11 +102,13 @@ def _check(args) -> int:
         if result.output and (not result.ok or args.verbose):
             print(_indent(result.output))
     for run_ in report.tests:
-        print(f"  {'tests pass' if run_.ok else 'TESTS FAIL':<16} {run_.summary}")
+        verdict = "TESTS FAIL" if not run_.ok else "NOT CHECKED" if run_.not_checked else "tests pass"
+        print(f"  {verdict:<16} {run_.summary} ({run_.tally()})")
         if run_.baseline is not None:
             print(f"      unpatched tree: {run_.baseline}; "
                   + (f"{len(run_.regressions)} new failures: {', '.join(run_.regressions[:10])}"
-                     if run_.regressions else "no new failures"))
+                     if run_.regressions else "not checked: none of them passes here" if run_.not_checked
+                     else "no new failures"))
         for f in run_.files:
             print(f"      {f}")
         if run_.output and (not run_.ok or args.verbose):
@@ -107,8 +121,10 @@ def _check(args) -> int:
     checked += ["linters pass"] if report.lint else []
     for t in report.tests:
         if t.baseline is None:
-            checked.append(f"new tests pass ({t.summary})")
+            checked.append(f"new tests pass ({t.tally()})")
+        elif t.not_checked:
+            checked.append(f"existing upstream tests: not checked ({t.tally()}: none passes here)")
         else:
-            checked.append(f"existing upstream tests: no new failures ({t.summary}; unpatched: {t.baseline})")
+            checked.append(f"existing upstream tests: no new failures ({t.tally()}; unpatched: {t.baseline})")
     print("OK: " + ", ".join(checked) + (" (with warnings above)" if report.warnings else ""))
     return 0

@@ -13,17 +13,13 @@ from pathlib import Path
 
 from graft import __version__
 from graft.patches.gitutil import changed_paths, dirty_paths, git, identity, is_git_repo, scratch_copy
-from graft.patches.message import _wrap, render
+from graft.patches.message import BENCH_HOW, _wrap, render
 from graft.patches.projects import project
-from graft.patches.template import PatchError
+from graft.patches.template import PatchError, PatchWarning
 from graft.patches.versions import detect_version
 
 MANIFEST = "series.json"
 DEFAULT_AUTHOR = "graft <graft@users.noreply.github.com>"
-
-
-class PatchWarning(UserWarning):
-    """Something a maintainer should know about, which does not stop generation."""
 
 
 def available_templates() -> list:
@@ -47,19 +43,57 @@ def select_templates(framework: str, names=None, templates=None) -> list:
     return chosen
 
 
+def _kernel_gate(framework: str, chosen: list, names, bench_results) -> list:
+    """Kernel patches go upstream only with GPU numbers: without ``bench_results`` they are
+    left out (a warning says why), or refused when asked for by name."""
+    if bench_results is not None:
+        return chosen
+    kernels = [t for t in chosen if t.benchmark]
+    why = ("a kernel patch is generated only with GPU benchmark numbers from kernels/bench.py in its message "
+           f"(`{BENCH_HOW}` on a GPU, then --bench-results DIR/kernels-<tag>.json)")
+    asked = [t.name for t in kernels if names and t.name in names]
+    if asked:
+        raise PatchError(f"{', '.join(asked)}: {why}; none given")
+    for t in kernels:
+        warnings.warn(f"{t.name} not generated: {why}; none given", PatchWarning, stacklevel=3)
+    kept = [t for t in chosen if not t.benchmark]
+    if not kept:
+        raise PatchError(f"nothing to generate for {framework}: every selected template is a kernel patch, and {why}")
+    return kept
+
+
+def _check_out(out: Path) -> None:
+    """``out`` must be a new or empty directory, or hold only an earlier series of graft's
+    (which the new one replaces): never a mix of two series."""
+    if out.exists() and not out.is_dir():
+        raise PatchError(f"--out {out} is an existing file, not a directory: name a new or empty directory")
+    if not out.is_dir():
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in _previous_series(out))
+    if others:
+        raise PatchError(f"--out {out} holds files that are not an earlier graft series "
+                         f"({', '.join(others[:8])}{' ...' if len(others) > 8 else ''}): name a new or empty "
+                         "directory, or remove them (an earlier series of graft's is replaced)")
+
+
 def generate(framework: str, source, out, upstream_version=None, names=None, conformance=None,
              author=None, templates=None, *, signoff=False, reroll=None, cover_letter=None,
-             allow_dirty=False, graft_trailers=False, format_code=False) -> list:
+             allow_dirty=False, graft_trailers=False, format_code=False, bench_results=None) -> list:
     """Write one format-patch file per template into ``out`` (plus a cover letter for a
     series); returns the patch paths in order.
+
+    ``out`` is new or empty, or holds an earlier series (its ``series.json`` names its files),
+    which is replaced; anything else there is refused. Kernel patches (``template.benchmark``)
+    need ``bench_results`` (a ``kernels/bench.py`` JSON from a GPU), else they are left out.
 
     Deterministic: the commits reuse the source HEAD's date and format-patch writes a
     zero commit id, so the same inputs give byte-identical patches.
     """
     source, out = Path(source), Path(out)
+    _check_out(out)
     proj = project(framework)
     version = detect_version(framework, source, upstream_version)
-    chosen = select_templates(framework, names, templates)
+    chosen = _kernel_gate(framework, select_templates(framework, names, templates), names, bench_results)
     if reroll is not None and (not isinstance(reroll, int) or reroll < 1):
         raise PatchError(f"--reroll-count must be a positive integer, got {reroll!r}")
     if signoff and (author or chosen[0].author) == DEFAULT_AUTHOR:
@@ -100,7 +134,7 @@ def generate(framework: str, source, out, upstream_version=None, names=None, con
             git(work, "add", "-A")
             message = Path(tmp) / "message.txt"
             message.write_text(render(template, version, conformance, title=proj.title(template.subject),
-                                      graft_trailers=graft_trailers))
+                                      graft_trailers=graft_trailers, bench_results=bench_results))
             args = ["commit", "-q", "--no-verify", "-F", str(message)] + (["--signoff"] if signoff else [])
             git(work, *args, env=identity(author or template.author, date))
         for template in outside:
@@ -133,26 +167,33 @@ def generate(framework: str, source, out, upstream_version=None, names=None, con
     return patches
 
 
-def _remove_previous(out: Path) -> None:
-    """Replace an earlier run's output; leave anything else in ``out`` alone."""
+def _previous_series(out: Path) -> set:
+    """Names of the files of an earlier graft series in ``out``: its manifest and the files
+    the manifest lists, and patches older graft versions marked with trailers."""
+    found = set()
     manifest = out / MANIFEST
     if manifest.is_file():
         try:
-            names = json.loads(manifest.read_text()).get("files", [])
-        except ValueError:
-            names = []
-        for name in names:
-            (out / Path(name).name).unlink(missing_ok=True)
-        manifest.unlink()
-    for old in out.glob("*.patch"):  # output of graft versions that marked patches with trailers
-        if "Graft-Template:" in old.read_text(errors="replace"):
-            old.unlink()
+            listed = json.loads(manifest.read_text()).get("files", [])
+        except (ValueError, AttributeError):
+            listed = None
+        if isinstance(listed, list):  # a series.json of someone else's is not ours to delete
+            found |= {MANIFEST} | {Path(str(n)).name for n in listed if (out / Path(str(n)).name).is_file()}
+    for old in out.glob("*.patch"):
+        if old.is_file() and "Graft-Template:" in old.read_text(errors="replace"):
+            found.add(old.name)
+    return found
+
+
+def _remove_previous(out: Path) -> None:
+    """Delete the earlier series :func:`_check_out` accepted, just before the new one is written."""
+    for name in _previous_series(out):
+        (out / name).unlink(missing_ok=True)
 
 
 def _fill_cover_letter(path: Path, proj, chosen: list) -> None:
     lead = chosen[0]
-    subject = proj.title(lead.subject if len(chosen) == 1 else f"Triton kernels for {proj.framework}: "
-                         + ", ".join(t.subject for t in chosen))
+    subject = proj.title(lead.subject if len(chosen) == 1 else "; ".join(t.subject for t in chosen))
     blurb = [_wrap(lead.motivation) if lead.motivation.strip() else lead.subject, "", "This series:"]
     blurb += [f"  - {proj.title(t.subject)}" for t in chosen]
     text = path.read_text().replace("*** SUBJECT HERE ***", subject).replace("*** BLURB HERE ***", "\n".join(blurb))

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import venv
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from graft.patches.projects import Project, Tool
-from graft.patches.template import PatchError
+from graft.patches.template import PatchError, PatchWarning
 
 
 @dataclass
@@ -24,30 +27,77 @@ class LintResult:
     paths: list
     ok: bool
     output: str = ""
+    note: str = ""  # e.g. the tree had no config file and the project's stored one was used
 
 
 def linter_root() -> Path:
     return Path(os.environ.get("GRAFT_PATCH_LINTERS") or Path.home() / ".cache" / "graft-patch-linters")
 
 
-def ensure_tools(project: Project) -> Path:
-    """The bin directory of a venv holding ``project.packages``; installs them when missing."""
-    key = hashlib.sha256("\n".join(sorted(project.packages)).encode()).hexdigest()[:12]
+def pinned_packages(project: Project, root: Path | None = None) -> tuple:
+    """``project.packages`` at the versions the tree's own ``.pre-commit-config.yaml`` pins,
+    where it pins them (a main-branch checkout moves its pins; e.g. Megatron main's black);
+    the release's pins otherwise (unpacked sdists have no pre-commit file)."""
+    path = None if root is None else Path(root) / ".pre-commit-config.yaml"
+    if path is None or not path.is_file():
+        return tuple(project.packages)
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return tuple(project.packages)
+    revs = {}
+    for repo in config.get("repos") or []:
+        found = re.search(r"(\d+(?:\.\d+)+)", str(repo.get("rev", "")))
+        for hook in (repo.get("hooks") or []) if found else []:
+            revs[str(hook.get("id"))] = found.group(1)
+    pinned = []
+    for requirement in project.packages:
+        name, _, _ = requirement.partition("==")
+        version = revs.get(name) or revs.get(f"{name}-check")
+        pinned.append(f"{name}=={version}" if version else requirement)
+    return tuple(pinned)
+
+
+def ensure_tools(project: Project, packages: tuple | None = None) -> Path:
+    """The bin directory of a venv holding ``packages`` (default ``project.packages``);
+    installs them when missing."""
+    packages = tuple(project.packages if packages is None else packages)
+    key = hashlib.sha256("\n".join(sorted(packages)).encode()).hexdigest()[:12]
     env_dir = linter_root() / f"{project.framework}-{key}"
     bin_dir = env_dir / "bin"
     marker = env_dir / "installed.txt"
-    wanted = "\n".join(sorted(project.packages))
+    wanted = "\n".join(sorted(packages))
     if marker.is_file() and marker.read_text() == wanted:
         return bin_dir
     if not (bin_dir / "python").exists():
         venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     proc = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           *project.packages], capture_output=True, text=True, timeout=900)
+                           *packages], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise PatchError(f"could not install {project.framework}'s linters ({', '.join(project.packages)}) into "
+        raise PatchError(f"could not install {project.framework}'s linters ({', '.join(packages)}) into "
                          f"{env_dir}: {proc.stderr.strip()[-800:]}")
     marker.write_text(wanted)
     return bin_dir
+
+
+def _configured(project: Project, tool: Tool, argv: tuple, root: Path, tmp: Path) -> tuple:
+    """(argv, note): ``argv`` naming a config file the tree has, or the project's stored copy
+    of it when the tree lacks it (unpacked sdists leave dot-files out); a clear error when
+    there is neither."""
+    if not tool.config or (root / tool.config).is_file():
+        return argv, ""
+    if tool.config not in project.default_configs:
+        raise PatchError(f"the source tree has no {tool.config}, which {project.framework}'s {tool.name} reads; unpacked "
+                         f"sdists leave it out: use a git checkout of {project.framework}, or copy {tool.config} "
+                         "from it into the tree")
+    content, origin = project.default_configs[tool.config]
+    stored = tmp / Path(tool.config).name
+    stored.write_text(content)
+    swapped = tuple(str(stored) if a == tool.config else a.replace("=" + tool.config, f"={stored}") for a in argv)
+    return swapped, (f"the source tree has no {tool.config} (unpacked sdists leave it out): {tool.name} used "
+                     f"{project.framework}'s, as in {origin}")
 
 
 def _run(bin_dir: Path, argv: tuple, paths: list, root: Path) -> subprocess.CompletedProcess:
@@ -60,23 +110,29 @@ def _run(bin_dir: Path, argv: tuple, paths: list, root: Path) -> subprocess.Comp
 
 def fix(project: Project, root: Path, paths: list) -> None:
     """Rewrite ``paths`` into the project's style with its own formatters (generate)."""
-    bin_dir = ensure_tools(project)
-    for tool, hits in project.tools_for(paths):
-        if tool.fix:
-            proc = _run(bin_dir, tool.fix, hits, root)
-            if proc.returncode != 0 and tool.name != "ruff check":  # ruff --fix exits 1 on unfixable findings
-                raise PatchError(f"{tool.name} could not format {', '.join(hits)}: "
-                                 f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+    bin_dir = ensure_tools(project, pinned_packages(project, root))
+    with tempfile.TemporaryDirectory(prefix="graft-lint-config-") as tmp:
+        for tool, hits in project.tools_for(paths):
+            if tool.fix:
+                argv, note = _configured(project, tool, tool.fix, root, Path(tmp))
+                if note:
+                    warnings.warn(note, PatchWarning, stacklevel=3)
+                proc = _run(bin_dir, argv, hits, root)
+                if proc.returncode != 0 and tool.name != "ruff check":  # ruff --fix exits 1 on unfixable findings
+                    raise PatchError(f"{tool.name} could not format {', '.join(hits)}: "
+                                     f"{(proc.stderr or proc.stdout).strip()[-800:]}")
 
 
 def lint(project: Project, root: Path, paths: list) -> list:
     """Each of the project's linters over the changed files it covers; nothing is modified."""
-    bin_dir = ensure_tools(project)
+    bin_dir = ensure_tools(project, pinned_packages(project, root))
     results = []
-    for tool, hits in project.tools_for(paths):
-        proc = _run(bin_dir, tool.check, hits, root)
-        output = (proc.stdout + proc.stderr).strip()
-        results.append(LintResult(tool.name, hits, proc.returncode == 0, output))
+    with tempfile.TemporaryDirectory(prefix="graft-lint-config-") as tmp:
+        for tool, hits in project.tools_for(paths):
+            argv, note = _configured(project, tool, tool.check, root, Path(tmp))
+            proc = _run(bin_dir, argv, hits, root)
+            output = (proc.stdout + proc.stderr).strip()
+            results.append(LintResult(tool.name, hits, proc.returncode == 0, output, note))
     return results
 
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -75,31 +76,82 @@ def conformance_lines(report_path: Path | None, ops: tuple) -> list:
     return lines
 
 
+BENCH_HOW = "python -m graft.kernels.bench --device cuda --out DIR"
+
+
+def benchmark_lines(results_path: Path, benchmark: tuple) -> list:
+    """The "Performance" section of a kernel patch, from a ``kernels/bench.py`` results JSON:
+    the GPU, each measured case's ratio against every baseline, and the geometric mean.
+    Refuses a CPU run and a run without a measured case of this kernel."""
+    family, op = benchmark
+    try:
+        report = json.loads(Path(results_path).read_text())
+        env, results = report["environment"], report["results"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PatchError(f"--bench-results {results_path}: not a kernels/bench.py results JSON ({exc}); "
+                         f"write one with `{BENCH_HOW}`") from None
+    if not env.get("gpu"):
+        raise PatchError(f"--bench-results {results_path} was measured on {env.get('device', 'an unknown device')}, "
+                         "not a GPU: a kernel patch quotes GPU numbers only")
+    rows = [r for r in results if r.get("family") == family and (r.get("params") or {}).get("op") == op
+            and r.get("status") == "ok" and r.get("ratios")]
+    if not rows:
+        raise PatchError(f"--bench-results {results_path} has no measured {family} {op} case; "
+                         f"run `{BENCH_HOW}` with the {family} family")
+    lines = [f"Performance ({env['gpu']}, torch {env.get('torch', '?')}, triton {env.get('triton', '?')};",
+             "kernels/bench.py from graft: per-call medians over interleaved rounds, CUDA graphs;",
+             "ratio = baseline time / this kernel's time, > 1 is faster):"]
+    ratios: dict = {}
+    for r in rows:
+        params = ", ".join(f"{k}={v}" for k, v in r["params"].items() if k != "op")
+        lines.append(f"  {params}: " + ", ".join(f"{pair.split(' vs ')[1]} {v:.2f}x" for pair, v in r["ratios"].items()))
+        for pair, v in r["ratios"].items():
+            ratios.setdefault(pair.split(" vs ")[1], []).append(v)
+    for base, values in ratios.items():
+        geo = math.exp(sum(map(math.log, values)) / len(values))
+        lines.append(f"  geometric mean vs {base}: {geo:.2f}x over {len(values)} cases "
+                     f"(min {min(values):.2f}x, max {max(values):.2f}x)")
+    return lines
+
+
 def _wrap(text: str) -> str:
     paragraphs = [p for p in textwrap.dedent(text).strip().split("\n\n") if p.strip()]
     return "\n\n".join(p if p.lstrip().startswith(("-", "*", " ")) else textwrap.fill(" ".join(p.split()), 72)
                        for p in paragraphs)
 
 
-def testing_section(template: PatchTemplate, conformance: Path | None) -> str:
+def testing_section(template: PatchTemplate, conformance: Path | None, measured: bool = False) -> str:
     lines = ["Testing:"]
     if template.tests:
         lines.append("  pytest " + " ".join(template.tests))
     lines += conformance_lines(conformance, template.ops)
-    if conformance is None:
+    if conformance is None and template.ops:
         lines.append("The tests run on CUDA/ROCm GPUs and, with TRITON_INTERPRET=1, on CPU")
-        lines.append("(Triton interpreter, numerics only). No GPU measurements are attached,")
-        lines.append("so this makes no performance claim.")
+        if measured:
+            lines.append("(Triton interpreter, numerics only); the numbers above are from a GPU.")
+        else:
+            lines.append("(Triton interpreter, numerics only). No GPU measurements are attached,")
+            lines.append("so this makes no performance claim.")
     return "\n".join(lines)
 
 
+def reach_lines(template: PatchTemplate) -> list:
+    """Where the change runs: the framework's default configuration, or the switch that turns it on."""
+    if template.reach == "default":
+        return ["Active in the default configuration: no setting turns it on."]
+    return [_wrap(f"Not active by default. Turned on by: {template.reach}")]
+
+
 def render(template: PatchTemplate, version: str, conformance: Path | None, title: str | None = None,
-           graft_trailers: bool = False) -> str:
+           graft_trailers: bool = False, bench_results: Path | None = None) -> str:
     parts = [title or template.subject]
     if template.motivation:
         parts.append(_wrap(template.motivation))
     parts.append(_wrap(template.body))
-    parts.append(testing_section(template, conformance))
+    parts.append("\n".join(reach_lines(template)))
+    if template.benchmark and bench_results is not None:
+        parts.append("\n".join(benchmark_lines(bench_results, template.benchmark)))
+    parts.append(testing_section(template, conformance, measured=bool(template.benchmark and bench_results)))
     if graft_trailers:
         parts.append("\n".join([
             f"Graft-Template: {template.name}",

@@ -22,6 +22,7 @@ class Tool:
     check: tuple  # argv before the file list; run in the patched tree
     fix: tuple = ()  # argv that rewrites files into the project's style (generate); () = no fixer
     files: str = r"\.py$"  # regex: which changed files this tool looks at (the pre-commit `files:`)
+    config: str = ""  # the configuration file (relative to the root) named in check/fix, e.g. ".style.yapf"
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,13 @@ class Project:
     dco: bool  # the project requires Signed-off-by (Developer Certificate of Origin)
     packages: tuple  # pinned pip requirements of the linters
     tools: tuple = field(default_factory=tuple)
+    # Configuration files unpacked sdists leave out, as the pinned release has them:
+    # name -> (content, where it comes from); used (with a warning) when the tree lacks one.
+    default_configs: dict = field(default_factory=dict)
 
     def title(self, subject: str) -> str:
-        if not self.title_tag or subject.startswith(self.title_tag):
+        # A subject that names its own category ("[Bugfix] ...") keeps it.
+        if not self.title_tag or subject.startswith("["):
             return subject
         return f"{self.title_tag} {subject}"
 

@@ -20,6 +20,10 @@ class PatchError(GraftError):
     """A template cannot be applied to this source tree."""
 
 
+class PatchWarning(UserWarning):
+    """Something a maintainer should know about, which does not stop generation."""
+
+
 @dataclass(frozen=True)
 class CreateFile:
     path: str  # relative to the repository root
@@ -78,6 +82,31 @@ class ReplaceText:
         target.write_text(source.replace(self.old, self.new))
 
 
+@dataclass(frozen=True)
+class ReplaceRegex:
+    """Replace the single match of the regular expression ``pattern`` (``re.MULTILINE``)
+    with ``repl`` (``re.sub`` syntax): for text that differs between the pinned release and
+    the main branch around an unchanged core."""
+
+    path: str
+    pattern: str
+    repl: str
+    applied: str = ""  # regex that matches once the change is in: "already applied"
+
+    def apply(self, root: Path) -> None:
+        target = _existing(root, self.path)
+        source = target.read_text()
+        matches = list(re.finditer(self.pattern, source, flags=re.MULTILINE))
+        if not matches:
+            if self.applied and re.search(self.applied, source, flags=re.MULTILINE):
+                raise PatchError(f"{self.path} already has the replacement: the change is already applied")
+            raise PatchError(f"pattern /{self.pattern[:80]}/ not found in {self.path}: the upstream file changed shape")
+        if len(matches) > 1:
+            raise PatchError(f"pattern /{self.pattern[:80]}/ matches {len(matches)} times in {self.path}; "
+                             "the template must be unambiguous")
+        target.write_text(re.sub(self.pattern, self.repl, source, count=1, flags=re.MULTILINE))
+
+
 def _existing(root: Path, path: str) -> Path:
     target = root / path
     if not target.is_file():
@@ -114,6 +143,17 @@ class PatchTemplate:
     test_args: tuple = ()  # extra pytest arguments the project's CI uses for these tests (e.g. -m MARK)
     upstream: str = "not submitted yet"
     retire: str = ""
+    # How the change is reached: "default" (the framework's default configuration runs it)
+    # or the exact switch that turns it on; the message and ``graft patches explain`` say it.
+    reach: str = "default"
+    # A kernel patch: the ``kernels/bench.py`` case that measures it, as (family, op), e.g.
+    # ("fused", "rms_norm"). Such a patch is generated only with GPU numbers from that
+    # benchmark (``--bench-results``); without them it is left out, and generate says why.
+    benchmark: tuple = ()
+    # What the anchors were last checked against: {"release": "<pinned version>", "<snapshot>":
+    # "<upstream commit>"}, a snapshot being a folder of tests/upstream_snapshots (SOURCES.json
+    # records its commit); tests/test_patches_upstream.py keeps both true.
+    checked_against: dict = field(default_factory=dict)
 
     def supports(self, version: str) -> bool:
         return Version(version) in SpecifierSet(self.supported, prereleases=True)

@@ -1,16 +1,28 @@
-"""DeepSpeed: graft's Triton RMSNorm as the Triton branch of the inference RMSNorm op bindings.
+"""DeepSpeed patches: the extension point graft's integration needs, and graft's Triton RMSNorm.
 
-Why: DeepSpeed-Inference has Triton kernels for layer_norm, GELU, softmax and the GEMMs
-(``config.use_triton``), but ``RMSNormOp``/``PreRMSNormOp`` (used by ``MLPGemmOp`` and the
-Llama-style containers) only have the compiled ``InferenceBuilder`` kernel or a torch
-fallback. graft serves the norm from its own adapter (``graft.adapters.deepspeed``).
+1. ``deepspeed-adam-builder-from-accelerator`` (the series a maintainer takes today).
 
-How: ``deepspeed/ops/transformer/inference/triton/rms_norm.py`` carries the kernel with the
-op bindings' signatures; ``RMSNormOp`` and ``PreRMSNormOp`` select it when
-``deepspeed.HAS_TRITON and config.use_triton``, exactly like ``VectorMatMulOp`` and
-``LinearOp`` select their Triton kernels. Tests sit with the other inference op tests.
+   Why: ``deepspeed.accelerator.set_accelerator()`` is DeepSpeed's documented hook for an
+   out-of-tree accelerator, and the accelerator's ``create_op_builder()`` is how it supplies
+   ops. But ``FusedAdam`` and ``DeepSpeedCPUAdam`` do not ask it: they call the builder name
+   ``deepspeed.ops.op_builder`` bound, at ``import deepspeed``, to the builder of the
+   accelerator detected *then*. So graft has to rebind those names in every imported
+   ``deepspeed.*`` module (``integration._rebind_builders``).
 
-Upstream: not submitted yet. Removal plan: see ``retire``.
+   How: both optimizers resolve their builder through ``get_accelerator().create_op_builder()``
+   when constructed, as ``deepspeed.comm`` already does for ``ShareMemCommBuilder``. Runs in
+   the default configuration (every ``FusedAdam``/``DeepSpeedCPUAdam``, the optimizers of
+   ``"type": "Adam"`` configs and ZeRO-Offload); tests in ``tests/unit/ops/adam`` with no
+   marker, so DeepSpeed's default ``tests/pytest.ini`` selection runs them, on CPU.
+
+2. ``deepspeed-triton-rms-norm`` (a kernel patch: generated only with GPU numbers).
+
+   Why/How: a Triton branch in ``RMSNormOp``/``PreRMSNormOp`` when ``config.use_triton``.
+   It is reached only by code that builds those ops with a ``use_triton`` config (DeepSpeed's
+   own ``MLPGemmOp`` builds ``PreRMSNormOp()`` without one), and its tests carry the
+   ``inference_ops`` marker DeepSpeed's default selection leaves out; the message says so.
+
+Upstream: not submitted yet. Removal plan: see each template's ``retire``.
 """
 from __future__ import annotations
 
@@ -19,7 +31,7 @@ from pathlib import Path
 
 from graft.patches import rms_norm_kernel as _rms_norm
 from graft.patches.projects import Project, Tool
-from graft.patches.template import CreateFile, InsertAfter, ReplaceText
+from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceText
 from graft.patches.versions import git_tag_version
 
 MODULE_PATH = "deepspeed/ops/transformer/inference/triton/rms_norm.py"
@@ -186,8 +198,175 @@ def _changes() -> list:
     ]
 
 
+ADAM_PATH = "deepspeed/ops/adam/fused_adam.py"
+CPU_ADAM_PATH = "deepspeed/ops/adam/cpu_adam.py"
+ADAM_TEST_PATH = "tests/unit/ops/adam/test_adam_builder_from_accelerator.py"
+RESOLVE_COMMENT = ("        # Ask the accelerator now, not the name op_builder bound at import: an\n"
+                   "        # accelerator set later with set_accelerator() then supplies the op.\n")
+
+ADAM_TEST = '''\
+# Copyright (c) Microsoft Corporation.
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""FusedAdam and DeepSpeedCPUAdam take their op from the accelerator current at construction,
+so one set with set_accelerator() after ``import deepspeed`` supplies it."""
+
+import copy
+
+import pytest
+import torch
+
+from deepspeed.accelerator import get_accelerator, set_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+
+def _adam(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, adamw_mode, bias_correction, weight_decay):
+    if weight_decay and not adamw_mode:
+        grad = grad + weight_decay * param
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    c1 = 1 - beta1**step if bias_correction else 1.0
+    c2 = 1 - beta2**step if bias_correction else 1.0
+    update = (exp_avg / c1) / ((exp_avg_sq / c2).sqrt() + eps)
+    if weight_decay and adamw_mode:
+        update = update + weight_decay * param
+    param.add_(update, alpha=-lr)
+
+
+class _FusedAdamOps:
+    calls = 0
+
+    @classmethod
+    def multi_tensor_adam(cls, chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps, step, adamw_mode,
+                          bias_correction, weight_decay):
+        cls.calls += 1
+        for grad, param, exp_avg, exp_avg_sq in zip(*tensor_lists):
+            _adam(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, adamw_mode, bias_correction,
+                  weight_decay)
+
+
+class _CPUAdamOps:
+    calls = 0
+    modes = {}
+
+    @classmethod
+    def create_adam(cls, opt_id, lr, beta1, beta2, eps, weight_decay, adamw_mode, should_log):
+        cls.modes[opt_id] = adamw_mode
+
+    @classmethod
+    def destroy_adam(cls, opt_id):
+        cls.modes.pop(opt_id, None)
+
+    @classmethod
+    def adam_update(cls, opt_id, step, lr, beta1, beta2, eps, weight_decay, bias_correction, param, grad, exp_avg,
+                    exp_avg_sq):
+        cls.calls += 1
+        _adam(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, cls.modes[opt_id], bias_correction,
+              weight_decay)
+
+
+class _Builder:
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def load(self, verbose=True):
+        return self.ops
+
+
+@pytest.fixture
+def accelerator_with_adam_ops():
+    """The current accelerator, set again with its Adam builders answered by the ops above."""
+    original = get_accelerator()
+    accelerator = copy.copy(original)
+    ops = {"FusedAdamBuilder": _FusedAdamOps, "CPUAdamBuilder": _CPUAdamOps}
+
+    def create_op_builder(class_name):
+        return _Builder(ops[class_name]) if class_name in ops else original.create_op_builder(class_name)
+
+    accelerator.create_op_builder = create_op_builder
+    set_accelerator(accelerator)
+    yield ops
+    set_accelerator(original)
+
+
+def _train(optimizer_class, steps=3, **kwargs):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)), torch.nn.Parameter(torch.randn(5))]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = optimizer_class(params, lr=1e-2, weight_decay=0.1, **kwargs)
+    torch_optimizer = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        for p, r in zip(params, reference):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.clone()
+        optimizer.step()
+        torch_optimizer.step()
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(p, r)
+
+
+def test_fused_adam_uses_the_accelerator_set_after_import(accelerator_with_adam_ops):
+    calls = _FusedAdamOps.calls
+    _train(FusedAdam)
+    assert _FusedAdamOps.calls == calls + 3
+
+
+def test_cpu_adam_uses_the_accelerator_set_after_import(accelerator_with_adam_ops):
+    calls = _CPUAdamOps.calls
+    _train(DeepSpeedCPUAdam)
+    assert _CPUAdamOps.calls == calls + 3 * 2
+'''
+
+
+def _adam_changes() -> list:
+    return [
+        ReplaceText(ADAM_PATH, "from deepspeed.ops.op_builder import FusedAdamBuilder\n", ""),
+        ReplaceText(ADAM_PATH, "        fused_adam_cuda = FusedAdamBuilder().load()\n",
+                    RESOLVE_COMMENT + '        fused_adam_cuda = get_accelerator().create_op_builder("FusedAdamBuilder").load()\n'),
+        ReplaceText(CPU_ADAM_PATH, "from deepspeed.ops.op_builder import CPUAdamBuilder\n",
+                    "from deepspeed.accelerator import get_accelerator\n"),
+        ReplaceText(CPU_ADAM_PATH, "self.ds_opt_adam = CPUAdamBuilder().load()",
+                    'self.ds_opt_adam = get_accelerator().create_op_builder("CPUAdamBuilder").load()'),
+        CreateFile(ADAM_TEST_PATH, ADAM_TEST),
+    ]
+
+
 def templates() -> list:
     return [
+        PatchTemplate(
+            name="deepspeed-adam-builder-from-accelerator",
+            framework="deepspeed",
+            supported=">=0.19,<0.20",
+            subject="FusedAdam/DeepSpeedCPUAdam: get the op builder from the current accelerator",
+            motivation="""\
+set_accelerator() is the documented way to run DeepSpeed on an
+accelerator that lives outside the tree, and the accelerator's
+create_op_builder() is how it supplies ops. FusedAdam and
+DeepSpeedCPUAdam bypass it: they call the FusedAdamBuilder /
+CPUAdamBuilder name that deepspeed.ops.op_builder bound when deepspeed
+was imported, i.e. the builder of the accelerator detected then. An
+accelerator set afterwards (the usual order: import deepspeed, then set
+it) never gets asked, so its Adam kernels are not used, and out-of-tree
+accelerators end up rebinding DeepSpeed's module attributes instead.""",
+            body="""- FusedAdam and DeepSpeedCPUAdam call
+  get_accelerator().create_op_builder(...) when they are constructed, as
+  deepspeed.comm does for ShareMemCommBuilder; with the accelerator
+  detected at import nothing changes (same builder, same op).
+- tests/unit/ops/adam/test_adam_builder_from_accelerator.py: both
+  optimizers, built after set_accelerator() replaced the accelerator,
+  run the ops its builders return, and match torch.optim.AdamW over
+  three steps. No marker: the default tests/pytest.ini selection runs
+  them, on CPU.""",
+            changes=_adam_changes,
+            import_checks=("deepspeed.ops.adam.fused_adam", "deepspeed.ops.adam.cpu_adam"),
+            tests=(ADAM_TEST_PATH,),
+            retire="once a release carries this, graft.adapters.deepspeed.integration stops rebinding "
+                   "FusedAdamBuilder/CPUAdamBuilder in deepspeed.* modules (_rebind_builders) for that release; "
+                   "set_accelerator(GraftAccelerator(...)) alone then routes Adam to graft.",
+            checked_against={"release": "0.19.8", "deepspeed-main": "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"},
+        ),
         _rms_norm.rms_norm_template(
             framework_title="DeepSpeed",
             what="RMSNorm override in graft.adapters.deepspeed",
@@ -215,6 +394,11 @@ fall back to unfused torch code. This adds the missing Triton branch.""",
             tests=(TEST_PATH, "tests/unit/ops/transformer/inference/test_rms_norm.py",
                    "tests/unit/ops/transformer/inference/test_layer_norm.py"),
             test_args=("-m", "inference_ops"),  # tests/pytest.ini deselects inference_ops by default
+            reach=("DeepSpeedInferenceConfig(use_triton=True) passed to RMSNormOp/PreRMSNormOp by the caller, "
+                   "with Triton and a GPU (deepspeed.HAS_TRITON). DeepSpeed's own MLPGemmOp builds PreRMSNormOp() "
+                   "without its config, so no DeepSpeed model reaches it yet; its tests carry the inference_ops "
+                   "marker, which tests/pytest.ini deselects (run them with -m inference_ops)."),
+            benchmark=("fused", "rms_norm"),
         )
     ]
 
@@ -233,6 +417,15 @@ PROJECT = Project(
     framework="deepspeed", marker="deepspeed", detect_version=_version, title_tag="", dco=True,
     packages=("yapf==0.40.0", "flake8==5.0.4"),
     tools=(
-        Tool("yapf", ("yapf", "--diff", "--style", ".style.yapf"), ("yapf", "-i", "--style", ".style.yapf")),
-        Tool("flake8", ("flake8", "--config=.flake8")),
-    ))
+        Tool("yapf", ("yapf", "--diff", "--style", ".style.yapf"), ("yapf", "-i", "--style", ".style.yapf"),
+             config=".style.yapf"),
+        Tool("flake8", ("flake8", "--config=.flake8"), config=".flake8"),
+    ),
+    # DeepSpeed's sdists leave its dot-files out; these are the files of the pinned release
+    # (and of main at the commit the templates record).
+    default_configs={
+        ".style.yapf": ("[style]\nSPLIT_ALL_COMMA_SEPARATED_VALUES = false\nCOLUMN_LIMIT = 119\n",
+                        "DeepSpeed 0.19 and main (edaa722)"),
+        ".flake8": ("[flake8]\nignore = E,F403,F405,F541,F841,W\nselect = E9,F,W6\nper-file-ignores =\n"
+                    "    __init__.py:F401\n", "DeepSpeed 0.19 and main (edaa722)"),
+    })

@@ -1,17 +1,27 @@
-"""Megatron-core: graft's Triton RMSNorm as a trainable norm module, selectable from the local layer spec.
+"""Megatron-core patches: the extension point graft's integration needs, and graft's Triton RMSNorm.
 
-Why: without Transformer Engine or Apex, Megatron-core's local spec normalises with
-``WrappedTorchNorm`` (unfused ``torch.nn.RMSNorm``). graft swaps the norm in from its own
-spec (``graft.adapters.megatron``); upstream, the module needs no adapter.
+1. ``megatron-local-spec-backend`` (the series a maintainer takes today).
 
-How: ``megatron/core/fusions/fused_rms_norm_triton.py`` holds the forward kernel and a
-``torch.autograd.Function`` whose backward recomputes the normalisation in fp32 (input and
-weight gradients), so it trains; ``TritonRMSNorm`` has the ``(config, hidden_size, eps)``
-constructor norm submodules are built with, honours ``layernorm_zero_centered_gamma`` and
-marks its weight for sequence-parallel gradient reduction. ``get_gpt_layer_local_spec(
-normalization="TritonRMSNorm")`` selects it. Tests sit under ``tests/unit_tests/fusions``.
+   Why: Megatron builds a layer's submodules from a ``BackendSpecProvider`` (local, TE,
+   Kitchen, inference), but ``get_gpt_layer_local_spec`` always constructs its own
+   ``LocalSpecProvider`` (or ``KitchenSpecProvider``). A library with its own norm, linear,
+   attention or MoE modules cannot hand it a provider, so graft re-assembles the whole layer
+   spec (``graft.adapters.megatron.spec.get_gpt_layer_graft_spec``) and has to follow every
+   upstream change to it.
 
-Upstream: not submitted yet. Removal plan: see ``retire``.
+   How: ``get_gpt_layer_local_spec`` (0.16) / ``get_gpt_layer_local_submodules`` (main) take
+   ``backend: Optional[BackendSpecProvider] = None``; ``None`` keeps today's choice, so
+   every existing caller, ``pretrain_gpt.py --transformer-impl local`` included, builds the
+   identical spec. Regex edits cover both the release and main, whose function around the
+   change was split in two. Tests in ``tests/unit_tests/models`` (no marker, CPU-only).
+
+2. ``megatron-triton-rms-norm`` (a kernel patch: generated only with GPU numbers).
+
+   Why/How: ``TritonRMSNorm`` (Triton forward, fp32 backward) selected with
+   ``get_gpt_layer_local_spec(normalization="TritonRMSNorm")``; reachable from the Python
+   API only (``TransformerConfig.normalization`` does not name it), as its message says.
+
+Upstream: not submitted yet. Removal plan: see each template's ``retire``.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from pathlib import Path
 
 from graft.patches import rms_norm_kernel as _rms_norm
 from graft.patches.projects import Project, Tool
-from graft.patches.template import CreateFile, ReplaceText
+from graft.patches.template import CreateFile, PatchTemplate, ReplaceRegex, ReplaceText
 from graft.patches.versions import git_tag_version
 
 MODULE_PATH = "megatron/core/fusions/fused_rms_norm_triton.py"
@@ -163,37 +173,199 @@ SPEC_NEW = '''    # Adjust for RMS norm.
         layer_norm = qk_norm = TritonRMSNorm
     elif normalization == "RMSNorm":
 '''
-DOC_OLD = '''        qk_l2_norm (bool, optional): To use l2 norm for queries/keys. Defaults to False.
-
+DOC_OLD = """
     Returns:
         ModuleSpec: Module specification with Megatron-Core modules
-'''
-DOC_NEW = '''        qk_l2_norm (bool, optional): To use l2 norm for queries/keys. Defaults to False.
-        normalization (str, optional): "RMSNorm" for RMSNorm, "TritonRMSNorm" for the
+"""
+# Inserted before the "Returns:" section, so it composes with megatron-local-spec-backend,
+# which adds its own argument after qk_l2_norm.
+DOC_NEW = """        normalization (str, optional): "RMSNorm" for RMSNorm, "TritonRMSNorm" for the
             Triton RMSNorm in megatron.core.fusions.fused_rms_norm_triton, else LayerNorm.
-
-    Returns:
-        ModuleSpec: Module specification with Megatron-Core modules
-'''
+"""
+# The "Returns:" line of the release (0.16) and of main, where the function builds submodules.
+DOC_PATTERN = (r"^(\n    Returns:\n        (?:ModuleSpec: Module specification with Megatron-Core modules|"
+               r"TransformerLayerSubmodules: Megatron-Core modules to construct a TransformerLayer)\n)")
 
 
 def _changes() -> list:
     return [
         CreateFile(MODULE_PATH, HEADER + _rms_norm.kernel_and_launcher(name="_rms_norm") + MODULE),
         ReplaceText(SPECS_PATH, SPEC_OLD, SPEC_NEW),
-        ReplaceText(SPECS_PATH, DOC_OLD, DOC_NEW),
+        ReplaceRegex(SPECS_PATH, DOC_PATTERN, DOC_NEW.replace("\\", "\\\\") + r"\1",
+                     applied=r'^        normalization \(str, optional\): "RMSNorm" for RMSNorm, "TritonRMSNorm"'),
         CreateFile(TEST_PATH, TEST),
+    ]
+
+
+BACKEND_TEST_PATH = "tests/unit_tests/models/test_gpt_layer_local_spec_backend.py"
+
+BACKEND_SIG = (r'^    kitchen_attention_backend: str = "sdpa",\n'
+               r'(\) -> (?:ModuleSpec|TransformerLayerSubmodules):\n'
+               r'    """Use (?:this spec|these submodules) for an implementation using only modules in Megatron-Core\.)')
+BACKEND_DOC = (r'^(        qk_l2_norm \(bool, optional\): To use l2 norm for queries/keys\. Defaults to False\.\n)'
+               r'(\n    Returns:\n        (?:ModuleSpec: Module specification with Megatron-Core modules|'
+               r'TransformerLayerSubmodules: Megatron-Core modules to construct a TransformerLayer)\n)')
+BACKEND_KITCHEN = (r'^    if use_kitchen:\n        assert HAVE_KITCHEN\n        backend = KitchenSpecProvider\(\n'
+                   r'            fallback=LocalSpecProvider\(\),\n')
+
+BACKEND_TEST = '''\
+# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.
+"""get_gpt_layer_local_spec(backend=...): the provider's modules fill every submodule slot."""
+
+import pytest
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+
+class VendorNorm(WrappedTorchNorm):
+    pass
+
+
+class VendorColumnParallelLinear(ColumnParallelLinear):
+    pass
+
+
+class VendorRowParallelLinear(RowParallelLinear):
+    pass
+
+
+class VendorDotProductAttention(DotProductAttention):
+    pass
+
+
+class VendorSpecProvider(LocalSpecProvider):
+    """A library's own modules, Megatron's local ones for everything else."""
+
+    def layer_norm(self, rms_norm=False, for_qk=False, **kwargs):
+        return VendorNorm
+
+    def column_parallel_linear(self):
+        return VendorColumnParallelLinear
+
+    def row_parallel_linear(self):
+        return VendorRowParallelLinear
+
+    def core_attention(self):
+        return VendorDotProductAttention
+
+
+def _slots(spec):
+    """The module chosen for each norm, linear and core-attention slot of a layer spec."""
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    # The MLP is a ModuleSpec, or on newer versions a functools.partial of MLP.
+    mlp = layer.mlp.submodules if hasattr(layer.mlp, "submodules") else layer.mlp.keywords["submodules"]
+    return {
+        "input_layernorm": layer.input_layernorm,
+        "pre_mlp_layernorm": layer.pre_mlp_layernorm,
+        "q_layernorm": attention.q_layernorm,
+        "k_layernorm": attention.k_layernorm,
+        "linear_qkv": attention.linear_qkv,
+        "core_attention": attention.core_attention,
+        "linear_proj": attention.linear_proj,
+        "linear_fc1": mlp.linear_fc1,
+        "linear_fc2": mlp.linear_fc2,
+    }
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_default_backend_is_local_spec_provider(normalization):
+    default = get_gpt_layer_local_spec(qk_layernorm=True, normalization=normalization)
+    explicit = get_gpt_layer_local_spec(
+        qk_layernorm=True, normalization=normalization, backend=LocalSpecProvider()
+    )
+    assert _slots(default) == _slots(explicit)
+    assert _slots(default)["core_attention"] is DotProductAttention
+
+
+def test_backend_modules_fill_the_layer_spec():
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, backend=VendorSpecProvider())
+    assert _slots(spec) == {
+        "input_layernorm": VendorNorm,
+        "pre_mlp_layernorm": VendorNorm,
+        "q_layernorm": VendorNorm,
+        "k_layernorm": VendorNorm,
+        "linear_qkv": VendorColumnParallelLinear,
+        "core_attention": VendorDotProductAttention,
+        "linear_proj": VendorRowParallelLinear,
+        "linear_fc1": VendorColumnParallelLinear,
+        "linear_fc2": VendorRowParallelLinear,
+    }
+
+
+def test_backend_and_use_kitchen_are_exclusive():
+    with pytest.raises(ValueError, match="backend or use_kitchen"):
+        get_gpt_layer_local_spec(backend=VendorSpecProvider(), use_kitchen=True)
+'''
+
+
+def _backend_changes() -> list:
+    return [
+        ReplaceRegex(SPECS_PATH, BACKEND_SIG,
+                     '    kitchen_attention_backend: str = "sdpa",\n    backend: Optional[BackendSpecProvider] = None,\n\\1',
+                     applied=r"^    backend: Optional\[BackendSpecProvider\] = None,$"),
+        ReplaceRegex(SPECS_PATH, BACKEND_DOC,
+                     "\\1        backend (BackendSpecProvider, optional): Provider of the norm, linear, core\n"
+                     "            attention and MLP/MoE modules. Defaults to LocalSpecProvider\n"
+                     "            (KitchenSpecProvider with use_kitchen).\n\\2"),
+        ReplaceRegex(SPECS_PATH, BACKEND_KITCHEN,
+                     "    if backend is not None:\n"
+                     "        if use_kitchen:\n"
+                     '            raise ValueError("pass either backend or use_kitchen, not both")\n'
+                     "    elif use_kitchen:\n"
+                     "        assert HAVE_KITCHEN\n"
+                     "        backend = KitchenSpecProvider(\n"
+                     "            fallback=LocalSpecProvider(),\n"),
+        CreateFile(BACKEND_TEST_PATH, BACKEND_TEST),
     ]
 
 
 def templates() -> list:
     return [
+        PatchTemplate(
+            name="megatron-local-spec-backend",
+            framework="megatron",
+            supported=">=0.16,<0.21",
+            subject="Let get_gpt_layer_local_spec take a BackendSpecProvider",
+            motivation="""\
+Layer specs are built from a BackendSpecProvider (local, TE, Kitchen,
+inference), which is the natural place for a library or a hardware vendor
+to supply its own norm, linear, core-attention or MoE modules. But
+get_gpt_layer_local_spec always constructs its own LocalSpecProvider (or
+KitchenSpecProvider), so such a provider cannot be used with it: the
+caller has to copy the whole spec function and keep the copy in step with
+every change to it.""",
+            body="""- get_gpt_layer_local_spec (get_gpt_layer_local_submodules on main) takes
+  backend: Optional[BackendSpecProvider] = None. None keeps today's choice
+  (LocalSpecProvider, or KitchenSpecProvider with use_kitchen), so every
+  existing caller, pretrain_gpt.py with --transformer-impl local included,
+  gets the identical spec; passing both backend and use_kitchen is a
+  ValueError.
+- tests/unit_tests/models/test_gpt_layer_local_spec_backend.py: the
+  default equals an explicit LocalSpecProvider (LayerNorm and RMSNorm),
+  a provider's modules fill every norm, linear and core-attention slot,
+  and backend with use_kitchen is refused. CPU only, no marker.""",
+            changes=_backend_changes,
+            import_checks=("megatron.core.models.gpt.gpt_layer_specs",),
+            tests=(BACKEND_TEST_PATH, "tests/unit_tests/transformer/test_spec_customization.py"),
+            # tests/unit_tests/conftest.py needs Transformer Engine (is_te_min_version in an autouse
+            # fixture) and downloads test data; these tests need neither.
+            test_args=("--noconftest",),
+            retire="once a release carries this, graft.adapters.megatron.spec.get_gpt_layer_graft_spec becomes "
+                   "get_gpt_layer_local_spec(..., backend=GraftSpecProvider(off)) for that release, and graft's "
+                   "copy of the layer structure is deleted when graft's minimum megatron-core includes it.",
+            checked_against={"release": "0.16.1", "megatron-main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553"},
+        ),
         _rms_norm.rms_norm_template(
             framework_title="Megatron-core",
             what="norm override in graft.adapters.megatron's layer spec",
             name="megatron-triton-rms-norm",
             framework="megatron",
-            supported=">=0.16,<0.18",
+            supported=">=0.16,<0.21",
             subject="Add a Triton RMSNorm module, selectable from the local GPT layer spec",
             motivation="""\
 Without Transformer Engine or Apex, the local spec normalises with
@@ -216,6 +388,9 @@ with no extension build.""",
             # tests/unit_tests/conftest.py needs Transformer Engine (is_te_min_version in an autouse
             # fixture) and downloads test data; these tests need neither.
             test_args=("--noconftest",),
+            reach=('get_gpt_layer_local_spec(normalization="TritonRMSNorm") from the Python API; '
+                   "TransformerConfig.normalization (and so --normalization) does not name it."),
+            benchmark=("fused", "rms_norm"),
         )
     ]
 
@@ -235,15 +410,53 @@ def _version(root: Path) -> str | None:
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{pre.group(1) if pre else ''}"
 
 
+PYLINTRC = """\
+[MAIN]
+ignore-paths=tests
+max-line-length=100
+load-plugins=pylint.extensions.bad_builtin
+[MESSAGES CONTROL]
+disable=all
+
+enable=C0115,C0116,W0611,C0301,E0606,W0141
+
+[BASIC]
+bad-functions=print
+
+[BAD_BUILTIN]
+bad-builtins=print
+"""
+
+PYPROJECT = """\
+[tool.isort]
+profile = "black"
+line_length = 100
+known_first_party = ["megatron"]
+known_third_party = ["transformer_engine"]
+sections = ["FUTURE", "STDLIB", "THIRDPARTY", "FIRSTPARTY", "LOCALFOLDER"]
+default_section = "THIRDPARTY"
+extend_skip = ["setup.py"]
+
+[tool.black]
+line_length = 100
+skip_string_normalization = true
+skip_magic_trailing_comma = true
+"""
+
 # Megatron-LM: black 24.4.2 / isort 5.13.2 / pylint 3.2.6 (.pre-commit-config.yaml, pyproject.toml,
 # .pylintrc); pylint and isort cover megatron/core only, black also tests/unit_tests.
 PROJECT = Project(
     framework="megatron", marker="megatron/core", detect_version=_version, title_tag="", dco=False,
     packages=("black==24.4.2", "isort==5.13.2", "pylint==3.2.6"),
     tools=(
-        Tool("black", ("black", "--check", "--diff", "--skip-magic-trailing-comma", "--skip-string-normalization"),
-             ("black", "-q", "--skip-magic-trailing-comma", "--skip-string-normalization"),
-             files=r"^(megatron/core/|tests/unit_tests/).*\.py$"),
-        Tool("isort", ("isort", "--check-only", "--diff"), ("isort", "-q"), files=r"^megatron/core/.*\.py$"),
-        Tool("pylint", ("pylint", "--rcfile=.pylintrc", "--score=n"), files=r"^megatron/core/.*\.py$"),
-    ))
+        Tool("black", ("black", "--config", "pyproject.toml", "--check", "--diff"),
+             ("black", "-q", "--config", "pyproject.toml"), files=r"^(megatron/core/|tests/unit_tests/).*\.py$",
+             config="pyproject.toml"),
+        Tool("isort", ("isort", "--settings-path", "pyproject.toml", "--check-only", "--diff"),
+             ("isort", "-q", "--settings-path", "pyproject.toml"), files=r"^megatron/core/.*\.py$",
+             config="pyproject.toml"),
+        Tool("pylint", ("pylint", "--rcfile=.pylintrc", "--score=n"), files=r"^megatron/core/.*\.py$",
+             config=".pylintrc"),
+    ),
+    default_configs={".pylintrc": (PYLINTRC, "Megatron-LM main (d98e8a6)"),
+                     "pyproject.toml": (PYPROJECT, "Megatron-LM main (d98e8a6; its black and isort settings)")})

@@ -1,19 +1,29 @@
-"""vLLM: graft's Triton RMSNorm on ``RMSNorm.forward_cuda``, opt-in with ``VLLM_USE_TRITON_RMS_NORM=1``.
+"""vLLM patches: the fix graft's out-of-tree registration needs, and graft's Triton RMSNorm.
 
-Why: graft serves ``fused.rms_norm`` to vLLM from its own plugin (``graft.adapters.vllm``);
-upstream, the kernel needs no plugin and reaches every model using ``RMSNorm``.
+1. ``vllm-oot-custom-op-name`` (the series a maintainer takes today).
 
-How: vLLM 0.33 deprecates its IR-op providers ("vLLM IR is being removed", v0.34 drops
-``--ir-op-priority``), so the patch does not register an IR provider. It wires the kernel
-the way vLLM selects other kernels: a switch in the ``RMSNorm`` CustomOp's ``forward_cuda``
-(next to the ``VLLM_BATCH_INVARIANT`` branch), read once in ``__init__`` from a new
-``vllm.envs`` variable. The launches are vLLM custom ops (``direct_register_custom_op``
-with fake implementations, as ``layernorm.py`` does for ``fla_rms_norm_gated``), so
-``torch.compile`` and vLLM's compile passes see one op each, and ``weight=None``
-(``RMSNorm(has_weight=False)``) is handled. Tests follow ``tests/kernels/core``.
+   Why: ``CustomOp.register_oot`` (how vllm-ascend, graft and other platform plugins replace
+   an in-tree op) overwrites the replacement's ``name`` with the registry key, the in-tree
+   *class* name (``"RMSNorm"``). ``CustomOp.enabled()`` matches ``compilation_config.custom_ops``
+   against ``name``, so ``+rms_norm``/``-rms_norm`` no longer reach the replacement, and
+   ``enabled_custom_ops`` reports it under the class name. graft restores the name after
+   registering (``graft.adapters.vllm._registration.register_oot``).
+
+   How: ``register_oot`` keeps the name a subclass inherits from a registered in-tree op (for
+   ``CustomOp`` and ``PluggableLayer`` alike); classes that are not such a subclass still get
+   the registry key, as today. Runs wherever a plugin registers a replacement, with vLLM's
+   default configuration; tests in ``tests/model_executor`` (no marker, CPU-only).
+
+2. ``vllm-triton-rms-norm`` (a kernel patch: generated only with GPU numbers).
+
+   Why/How: a Triton RMSNorm in ``RMSNorm.forward_cuda`` behind ``VLLM_USE_TRITON_RMS_NORM=1``
+   (read once in ``__init__``), launched as vLLM custom ops with fake impls. ``forward_cuda``
+   runs only when the ``rms_norm`` CustomOp is enabled (``custom_ops=["+rms_norm"]``; the
+   default under Inductor is ``none``), and vLLM already has a Triton RMSNorm there (the
+   batch-invariant one); the message says both.
 
 Upstream: not submitted yet (PR link goes in ``PatchTemplate.upstream``).
-Removal plan: see ``retire`` below.
+Removal plan: see each template's ``retire``.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from pathlib import Path
 
 from graft.patches import rms_norm_kernel as _rms_norm
 from graft.patches.projects import Project, Tool
-from graft.patches.template import CreateFile, ReplaceText
+from graft.patches.template import CreateFile, InsertAfter, PatchTemplate, ReplaceText
 from graft.patches.versions import git_tag_version
 
 ENV = "VLLM_USE_TRITON_RMS_NORM"
@@ -295,8 +305,134 @@ def _changes() -> list:
     ]
 
 
+CUSTOM_OP_PATH = "vllm/model_executor/custom_op.py"
+OOT_TEST_PATH = "tests/model_executor/test_custom_op_oot_name.py"
+
+OOT_HELPER = '''
+
+def _inherited_op_name(op_cls: type) -> str | None:
+    """The name ``op_cls`` inherits from the registered in-tree op it subclasses.
+
+    An out-of-tree replacement keeps it, so ``custom_ops`` directives written for
+    the in-tree op (``+rms_norm``, ``-rms_norm``) reach the replacement too.
+    """
+    name = getattr(op_cls, "name", None)
+    in_tree = op_registry.get(name) if isinstance(name, str) else None
+    return name if in_tree is not None and issubclass(op_cls, in_tree) else None
+'''
+
+OOT_TEST = '''\
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An out-of-tree replacement registered with register_oot keeps the in-tree op's
+name, so compilation_config.custom_ops switches it like the in-tree op."""
+
+import pytest
+
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+
+class OOTRMSNorm(RMSNorm):
+    pass
+
+
+@pytest.fixture
+def oot_rms_norm():
+    previous = op_registry_oot.pop("RMSNorm", None)
+    RMSNorm.register_oot(OOTRMSNorm)
+    yield OOTRMSNorm
+    op_registry_oot.pop("RMSNorm", None)
+    if previous is not None:
+        op_registry_oot["RMSNorm"] = previous
+
+
+@pytest.mark.parametrize(
+    "custom_ops,enabled",
+    [
+        (["none", "+rms_norm"], True),
+        (["none"], False),
+        (["all", "-rms_norm"], False),
+        (["all"], True),
+    ],
+)
+def test_oot_replacement_follows_the_in_tree_switch(oot_rms_norm, custom_ops, enabled):
+    # No model is built: name the device so that VllmConfig needs no GPU to infer it,
+    # and set custom_ops after platform defaults were applied.
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.compilation_config.custom_ops = custom_ops
+    with set_current_vllm_config(config):
+        layer = RMSNorm(16)
+        assert type(layer) is oot_rms_norm
+        assert oot_rms_norm.name == "rms_norm"
+        assert oot_rms_norm.enabled() is enabled
+    recorded = config.compilation_config.enabled_custom_ops
+    assert ("rms_norm" in recorded) is enabled
+    assert "RMSNorm" not in recorded
+
+
+def test_oot_op_without_an_in_tree_base_is_named_by_its_key():
+    class StandaloneOp(CustomOp):
+        pass
+
+    try:
+        CustomOp.register_oot(StandaloneOp, name="StandaloneTestOp")
+        assert StandaloneOp.name == "StandaloneTestOp"
+    finally:
+        op_registry_oot.pop("StandaloneTestOp", None)
+'''
+
+
+def _oot_changes() -> list:
+    keep = "            # Subclasses of in-tree ops keep their name (_inherited_op_name).\n"
+    return [
+        InsertAfter(CUSTOM_OP_PATH, r"^op_registry_oot: dict\[", OOT_HELPER),
+        ReplaceText(CUSTOM_OP_PATH,
+                    '            assert reg_name not in op_registry_oot, f"Duplicate layer name: {reg_name}"\n'
+                    "            layer_cls.name = reg_name\n",
+                    '            assert reg_name not in op_registry_oot, f"Duplicate layer name: {reg_name}"\n'
+                    + keep + "            layer_cls.name = _inherited_op_name(layer_cls) or reg_name\n"),
+        ReplaceText(CUSTOM_OP_PATH,
+                    '            assert reg_name not in op_registry_oot, f"Duplicate op name: {reg_name}"\n'
+                    "            op_cls.name = reg_name\n",
+                    '            assert reg_name not in op_registry_oot, f"Duplicate op name: {reg_name}"\n'
+                    + keep + "            op_cls.name = _inherited_op_name(op_cls) or reg_name\n"),
+        CreateFile(OOT_TEST_PATH, OOT_TEST),
+    ]
+
+
 def templates() -> list:
     return [
+        PatchTemplate(
+            name="vllm-oot-custom-op-name",
+            framework="vllm",
+            supported=">=0.33,<0.36",
+            subject="[Bugfix] Keep the in-tree op name on out-of-tree CustomOp replacements",
+            motivation="""\
+Platform plugins replace in-tree ops with CustomOp.register_oot (e.g.
+RMSNorm.register_oot(MyRMSNorm)). register_oot sets the replacement's
+name to the registry key, which is the in-tree class name ("RMSNorm"),
+while CustomOp.enabled() matches compilation_config.custom_ops against
+name. So "+rms_norm" / "-rms_norm" silently stop applying once a plugin
+replaces the op: with the default custom_ops="none" under Inductor the
+replacement cannot be enabled by its documented name, and
+enabled_custom_ops reports it as "RMSNorm".""",
+            body="""- register_oot (CustomOp and PluggableLayer): a class that subclasses a
+  registered in-tree op keeps the name it inherits ("rms_norm"); other
+  classes are still named by their registry key, as before.
+- tests/model_executor/test_custom_op_oot_name.py: an RMSNorm replacement
+  follows "+rms_norm" / "-rms_norm" under both "none" and "all", is
+  recorded in enabled_custom_ops as "rms_norm", and a standalone OOT op
+  keeps its key. CPU only, no marker.""",
+            changes=_oot_changes,
+            import_checks=("vllm.model_executor.custom_op",),
+            tests=(OOT_TEST_PATH,),
+            retire="once a release carries this, graft.adapters.vllm._registration.register_oot stops restoring "
+                   "the in-tree name after CustomOp.register_oot for that release; the line goes when graft's "
+                   "minimum vLLM includes it.",
+            checked_against={"release": "0.33.0", "vllm-0.34.0": "62d4bc3c7"},
+        ),
         _rms_norm.rms_norm_template(
             framework_title="vLLM",
             what="fused.rms_norm override in graft.adapters.vllm",
@@ -309,7 +445,14 @@ RMSNorm's CUDA path needs vLLM's compiled _C kernels (or AITER on ROCm).
 A Triton kernel gives every CUDA-alike platform Triton supports a fused
 RMSNorm (plain and with the residual add) without an extension build, and
 an alternative to compare against. It is opt-in ({ENV}=1), so the default
-path is unchanged.""",
+path is unchanged.
+
+vLLM already has a Triton RMSNorm in forward_cuda: rms_norm_batch_invariant,
+used with VLLM_BATCH_INVARIANT=1. That kernel fixes its reduction order for
+run-to-run determinism; this one is the throughput kernel (single pass from
+registers up to 8192 wide, fused residual add), measured below against
+F.rms_norm. The two are kept apart so that batch-invariant mode keeps its
+guarantee.""",
             body=f"""- vllm/model_executor/layers/triton_rms_norm.py: the kernel, registered as
   torch.ops.vllm.triton_rms_norm and torch.ops.vllm.triton_fused_add_rms_norm
   with fake implementations, so torch.compile traces each as one op;
@@ -323,6 +466,10 @@ path is unchanged.""",
             changes=_changes,
             import_checks=("vllm.model_executor.layers.triton_rms_norm", "vllm.model_executor.layers.layernorm"),
             tests=(TEST_PATH, "tests/kernels/ir/test_layernorm.py", "tests/test_envs.py"),
+            reach=(f"{ENV}=1, and the rms_norm custom op enabled: forward_cuda runs only then "
+                   "(compilation_config.custom_ops=['+rms_norm']; with Inductor vLLM's default is 'none', which "
+                   "runs forward_native and ignores the variable)."),
+            benchmark=("fused", "rms_norm"),
         )
     ]
 
@@ -343,6 +490,10 @@ PROJECT = Project(
     framework="vllm", marker="vllm", detect_version=_version, title_tag="[Kernel]", dco=True,
     packages=("ruff==0.14.0",),
     tools=(
-        Tool("ruff check", ("ruff", "check", "--no-cache"), ("ruff", "check", "--no-cache", "--fix")),
-        Tool("ruff format", ("ruff", "format", "--no-cache", "--check", "--diff"), ("ruff", "format", "--no-cache")),
+        # ruff reads vLLM's settings from pyproject.toml (sdists and checkouts have it; a copy of
+        # the installed package does not, and ruff's defaults there would check another style).
+        Tool("ruff check", ("ruff", "check", "--no-cache"), ("ruff", "check", "--no-cache", "--fix"),
+             config="pyproject.toml"),
+        Tool("ruff format", ("ruff", "format", "--no-cache", "--check", "--diff"), ("ruff", "format", "--no-cache"),
+             config="pyproject.toml"),
     ))
