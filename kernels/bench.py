@@ -59,7 +59,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 LLAMA_8B_NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 LLAMA_70B_TP8_NK = ((1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584))
@@ -83,7 +83,7 @@ FUSED_H = (4096, 7168, 8192)
 # (fp8, int8) run twice the 16-bit rate on both. Vendor peak figures: a kernel's "fraction
 # of the limit" is its ideal time (bytes at full bandwidth or FLOPs at full MMA rate, the
 # larger) over its measured time.
-ROOFLINES = {
+ROOFLINES: dict[str, dict[str, Any]] = {
     "h200": {"bandwidth": 4.8e12, "flops": {"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}},
     "mi300x": {"bandwidth": 5.3e12, "flops": {"bf16": 1307e12, "fp8": 2615e12, "int8": 2615e12}},
 }

@@ -653,8 +653,8 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
                           step, weight_decay, adam_w_mode)
             served = set(same)
             rest = [i for i in rest if i not in served]
-    elif getattr(impl.fn, "multi_tensor_", None) is not None:
-        served = set(impl.fn.multi_tensor_(params, grads, exp_avgs, exp_avg_sqs, *scalars))
+    elif (multi_tensor_ := getattr(impl.fn, "multi_tensor_", None)) is not None:
+        served = set(multi_tensor_(params, grads, exp_avgs, exp_avg_sqs, *scalars))
         rest = [i for i in rest if i not in served]
     for i in rest:
         p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]

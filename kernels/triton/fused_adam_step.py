@@ -257,7 +257,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                         int(step), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
 
 
-adam_step.multi_tensor_ = adam_step_multi_  # the in-place list form graft.ops.fused.adam_step_ looks for
+setattr(adam_step, "multi_tensor_", adam_step_multi_)  # the in-place list form graft.ops.fused.adam_step_ looks for
 
 
 def register(registry) -> None:
