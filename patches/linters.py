@@ -50,7 +50,9 @@ def pinned_packages(project: Project, root: Path | None = None) -> tuple:
     revs = {}
     for repo in config.get("repos") or []:
         found = re.search(r"(\d+(?:\.\d+)+)", str(repo.get("rev", "")))
-        for hook in (repo.get("hooks") or []) if found else []:
+        if found is None:
+            continue
+        for hook in repo.get("hooks") or []:
             revs[str(hook.get("id"))] = found.group(1)
     pinned = []
     for requirement in project.packages:
