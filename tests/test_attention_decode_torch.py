@@ -80,6 +80,12 @@ def test_vllm_strided_cache_views_fp32_and_fp8():
     assert not key_cache.is_contiguous()
     query = torch.randn(4, 3, d, generator=gen).transpose(0, 1)  # a non-contiguous query too
     block_tables = torch.tensor([[7, 2, 11], [0, 5, 3], [9, 9, 9]], dtype=torch.int32)
+    # This layout takes the one-gather path (each token's key and value side by side); two
+    # separate caches, or the halves swapped, do not.
+    blocks, slots = block_tables[:, :1].long(), torch.arange(1)
+    assert attention._kv_tokens_of(key_cache, value_cache, blocks, slots, None, None) is not None
+    assert attention._kv_tokens_of(value_cache, key_cache, blocks, slots, None, None) is None
+    assert attention._kv_tokens_of(key_cache.contiguous(), value_cache, blocks, slots, None, None) is None
     seq_lens = torch.tensor([40, 17, 1], dtype=torch.int32)
     _close(decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens),
            decode_paged_reference(query, key_cache.contiguous(), value_cache.contiguous(), block_tables, seq_lens),

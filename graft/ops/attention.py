@@ -333,8 +333,12 @@ def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, so
     visible = (pos[None, :] < lens[:, None]) & (blocks >= 0) & (blocks < num_blocks)
     blocks = blocks.clamp(0, num_blocks - 1)  # masked tokens read a valid block, never outside the cache
     slots = pos % block_size
-    k = _tokens_of(key_cache, blocks, slots, k_scale)  # [N, KVH, tokens, D]
-    v = _tokens_of(value_cache, blocks, slots, v_scale)
+    pair = _kv_tokens_of(key_cache, value_cache, blocks, slots, k_scale, v_scale)
+    if pair is not None:  # vLLM's layout: each token's key and value side by side, one gather
+        k, v = pair
+    else:
+        k = _tokens_of(key_cache, blocks, slots, k_scale)  # [N, KVH, tokens, D]
+        v = _tokens_of(value_cache, blocks, slots, v_scale)
     group = num_heads // num_kv_heads
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [N, KVH, group, tokens]: GQA without repeating K/V
@@ -343,6 +347,51 @@ def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, so
     row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
     return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _kv_tokens_of(key_cache, value_cache, blocks, slots, k_scale, v_scale):
+    """Keys and values of the tokens (as ``_tokens_of``) in one gather, where both caches are
+    views of one storage with each (block, slot, head)'s value row a fixed distance after its
+    key row (vLLM's ``[num_blocks, kv_heads, block_size, 2 * head_size]`` cache split in
+    two): the gather copies each token's key and value as one contiguous run, and the runs of
+    one (block, head) follow each other in memory, so decode reads its pages sequentially
+    (two separate row gathers, each skipping every other run, were latency-bound: 4x
+    slower at vLLM's CPU shapes). None where the caches are not laid out so."""
+    k_raw = key_cache.view(torch.uint8) if key_cache.dtype in FP8_KV_DTYPES else key_cache
+    v_raw = value_cache.view(torch.uint8) if value_cache.dtype in FP8_KV_DTYPES else value_cache
+    if (k_raw.dtype != v_raw.dtype or k_raw.stride() != v_raw.stride() or k_raw.shape != v_raw.shape
+            or k_raw.stride(3) != 1 or k_raw.numel() == 0
+            or k_raw.untyped_storage().data_ptr() != v_raw.untyped_storage().data_ptr()):
+        return None
+    delta = v_raw.storage_offset() - k_raw.storage_offset()
+    d = k_raw.shape[3]
+    s_block, s_slot, s_head, _ = k_raw.stride()
+    row = math.gcd(math.gcd(s_block, s_slot), s_head)
+    width = delta + d
+    if delta < d or row <= 0 or min(s_block, s_slot, s_head) < 0 or width > 4 * d:
+        return None
+    last = sum((n - 1) * st for n, st in zip(k_raw.shape[:3], (s_block, s_slot, s_head))) // row
+    available = k_raw.untyped_storage().nbytes() // k_raw.element_size() - k_raw.storage_offset()
+    if last * row + width > available:
+        return None
+    heads = torch.arange(k_raw.shape[2], device=k_raw.device)
+    offsets = (blocks[:, None, :] * (s_block // row) + heads[None, :, None] * (s_head // row)
+               + slots * (s_slot // row))
+    rows = k_raw.as_strided((last + 1, width), (row, 1))
+    out = rows.index_select(0, offsets.flatten()).view(*offsets.shape, width)
+    k, v = out[..., :d], out[..., delta:width]
+    if k_raw is key_cache:
+        return k.float(), v.float()
+    return _dequantised(k, key_cache.dtype, k_scale), _dequantised(v, value_cache.dtype, v_scale)
+
+
+def _dequantised(codes, dtype, scale):
+    """fp8 codes (as bytes) -> fp32 values times the scale, through a 256-entry table (the
+    same fp32 product as ``.float() * scale``, NaN codes included): torch's CPU fp8 -> fp32
+    conversion is elementwise scalar code, several times slower than this lookup."""
+    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)
+    values = _fp8_values(dtype, codes.device) * scale
+    return values.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _tokens_of(cache, blocks, slots, scale):
@@ -367,12 +416,7 @@ def _tokens_of(cache, blocks, slots, scale):
         out = raw.permute(0, 2, 1, 3)[blocks[:, None, :], heads[None, :, None], slots]
     if raw is cache:
         return out.float()
-    # Dequantised through a 256-entry table of the format's values times the scale (the same
-    # fp32 product as ``.float() * scale``, NaN codes included): torch's CPU fp8 -> fp32
-    # conversion is elementwise scalar code, several times slower than this lookup.
-    scale = scale.reshape(()) if isinstance(scale, torch.Tensor) else float(scale)
-    values = _fp8_values(cache.dtype, cache.device) * scale
-    return values.index_select(0, out.flatten().int()).view(out.shape)
+    return _dequantised(out, cache.dtype, scale)
 
 
 _FP8_VALUES: dict = {}
