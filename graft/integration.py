@@ -50,6 +50,12 @@ class FrameworkIntegration:
     # served: ``left_out()`` -> ``{layer: (reason, expected)}``; ``expected`` marks a layer a
     # user would expect graft to serve on this platform (said once at WARNING).
     left_out: Callable[[], dict] | None = None
+    # Measured selection (issue 21): a part is taken over only where graft is known faster
+    # here, i.e. a GRAFT_* variable orders its ops' backends or a tuning table names one of
+    # graft's backends for them (graft.tuning.graft_wanted); otherwise the framework's own
+    # code stays, untouched, with that reason. Parts in ``opt_in`` (a choice the user makes
+    # in the framework's own settings) are exempt.
+    measured: bool = False
 
     def unavailable_parts(self) -> dict:
         """``{part: why}`` for the parts whose needed ops graft cannot serve here."""
@@ -60,11 +66,30 @@ class FrameworkIntegration:
                 off[part] = "; ".join(reasons)
         return off
 
+    def not_known_faster(self) -> dict:
+        """``{part: why}`` for the parts graft steps aside from (``measured`` integrations):
+        no GRAFT_* variable and no tuning table entry favours graft for any of their ops."""
+        if not self.measured:
+            return {}
+        from graft.tuning import graft_wanted
+
+        return {part: ("graft is not known faster here (no tuning table entry or GRAFT_* variable favours graft for "
+                       + ", ".join(ops) + ")")
+                for part, ops in self.needs.items() if not any(graft_wanted(op) for op in ops)}
+
+    def left_parts(self) -> dict:
+        """``{part: why}`` for every part the framework keeps: graft cannot serve its ops here,
+        or (``measured``) is not known faster for them."""
+        off = self.unavailable_parts()
+        for part, why in self.not_known_faster().items():
+            off.setdefault(part, why)
+        return off
+
     def layers(self) -> dict:
         """What graft serves in the framework here and what it leaves to the framework:
         ``{"served": [part...], "left": {layer: reason}, "expected_left": {layer: reason}}``
         (``expected_left``: the left layers a user would expect graft to serve here)."""
-        off = self.unavailable_parts()
+        off = self.left_parts()
         left: dict = dict(off)
         expected: dict = {}
         try:
@@ -126,9 +151,11 @@ class FrameworkIntegration:
         if not ok:
             return False, f"{self.distribution} {version} is outside the supported range {self.supported}"
         why = f"{self.distribution} {version} is within {self.supported}"
-        off = self.unavailable_parts()
+        off = self.left_parts()
         if off and len(off) == len(self.needs):
-            return False, "every part needs ops graft cannot serve here: " + _describe_off(off)
+            if all(part in self.unavailable_parts() for part in off):
+                return False, "every part needs ops graft cannot serve here: " + _describe_off(off)
+            return False, "graft serves no part here: " + _describe_off(off)
         if off:
             why += "; left to " + self.distribution + ": " + _describe_off(off)
         return True, why

@@ -74,11 +74,16 @@ def test_no_command_prints_help():
 
 
 def test_info_lists_framework_integrations_and_their_switches():
-    report = json.loads(graft("info", "--json", "--op", "gemm.linear", env={"GRAFT_VLLM": "0"}).stdout)
+    report = json.loads(graft("info", "--json", "--op", "gemm.linear",
+                              env={"GRAFT_VLLM": "0", "GRAFT_BACKENDS": "torch"}).stdout)
     rows = {i["name"]: i for i in report["integrations"]}
     assert {"vllm", "deepspeed", "megatron"} <= set(rows)
     assert rows["vllm"]["can_activate"] is False and rows["vllm"]["reason"] == "GRAFT_VLLM=0"
     assert rows["deepspeed"]["can_activate"] is True and "0.19" in rows["deepspeed"]["reason"]
+    # No tuning table and no GRAFT_* variable: graft is not known faster, DeepSpeed keeps its own.
+    default = json.loads(graft("info", "--json", "--op", "gemm.linear").stdout)
+    ds = {i["name"]: i for i in default["integrations"]}["deepspeed"]
+    assert ds["can_activate"] is False and ds["reason"].startswith("graft serves no part here: adam (graft is not"), ds
     off = json.loads(graft("info", "--json", "--op", "gemm.linear", env={"GRAFT_DISABLE": "all"}).stdout)
     assert all(not i["can_activate"] and i["reason"] == "GRAFT_DISABLE=all" for i in off["integrations"])
 

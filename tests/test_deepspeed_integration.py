@@ -81,9 +81,15 @@ def test_adam_step_rejects_bad_input(fresh_graft, change, message):
 
 
 @pytest.fixture
-def ds_graft(fresh_graft):
+def ds_graft(fresh_graft, monkeypatch):
+    """The integration with graft chosen explicitly (``GRAFT_BACKENDS=torch``): without a
+    GRAFT_* variable or a tuning table graft takes no part of DeepSpeed (see
+    test_without_a_table_or_variable_deepspeed_keeps_its_own_code)."""
+    import graft
     import graft.adapters.deepspeed as graft_ds
 
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    graft.reload_config()
     graft_ds.deactivate()
     yield graft_ds
     graft_ds.deactivate()
@@ -217,6 +223,49 @@ def test_parts_whose_ops_are_disabled_stay_deepspeeds_own(ds_graft, monkeypatch,
     assert not ok and why.startswith("every part needs ops graft cannot serve here"), why
     assert ds_graft.activate() is False and not ds_graft.is_active()
     assert get_accelerator() is original_accel and ds_comm.TorchBackend is not GraftTorchBackend
+
+
+def test_without_a_table_or_variable_deepspeed_keeps_its_own_code(fresh_graft, monkeypatch, tmp_path, caplog):
+    """Measured selection: graft takes a part of DeepSpeed only where it is known faster (a
+    GRAFT_* variable or a tuning table entry); otherwise DeepSpeed's FusedAdam, CPUAdam and comm
+    stay untouched, and the reason is said at INFO."""
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.ops.op_builder as op_builder
+    from deepspeed.accelerator import get_accelerator
+
+    import graft
+    import graft.adapters.deepspeed as graft_ds
+    from graft import tuning
+    from graft.adapters.deepspeed.comm import GraftTorchBackend
+    from graft.adapters.deepspeed.integration import integration
+
+    graft_ds.deactivate()
+    original_accel, original_builder = get_accelerator(), op_builder.FusedAdamBuilder
+    try:
+        ok, why = integration().status()
+        assert not ok and why.startswith("graft serves no part here: adam (graft is not known faster here"), why
+        with caplog.at_level("INFO", logger="graft.integration.deepspeed"):
+            assert graft_ds.activate() is False and not graft_ds.is_active()
+        assert "DeepSpeed's adam stays DeepSpeed's own code: graft is not known faster here" in caplog.text
+        assert "DeepSpeed's comm stays DeepSpeed's own code" in caplog.text
+        assert get_accelerator() is original_accel and op_builder.FusedAdamBuilder is original_builder
+        assert ds_comm.TorchBackend is not GraftTorchBackend
+
+        # A tuning table that measured graft's Adam faster here: the optimizer is graft's, comm stays.
+        table = tmp_path / "table.json"
+        table.write_text(json.dumps({"format": tuning.FORMAT, "device": tuning.device_key("cpu"),
+                                     "versions": tuning.versions(), "entries": [
+                                         {"op": "fused.adam_step", "dtype": "float32", "bucket": "n<=1024",
+                                          "backend": "torch", "provider": "", "ratio": 1.3}]}))
+        monkeypatch.setenv("GRAFT_TUNING_TABLE", str(table))
+        graft.reload_config()
+        ok, why = integration().status()
+        assert ok and "left to deepspeed: comm (graft is not known faster here" in why, why
+        assert graft_ds.activate() is True
+        assert op_builder.FusedAdamBuilder is not original_builder and ds_comm.TorchBackend is not GraftTorchBackend
+    finally:
+        graft_ds.deactivate()
+    assert op_builder.FusedAdamBuilder is original_builder
 
 
 def test_deactivate_restores_a_backend_built_while_active(ds_graft, monkeypatch):
@@ -359,7 +408,7 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
     # Both runs at once (4 processes); graft's all-reduce is its own one-shot implementation
     # (a fixed rank-order fp32 reduction over gloo), not the torch.distributed reference.
     plain = _launch(tmp_path, False, {})
-    grafted = _launch(tmp_path, True, {"GRAFT_COLLECTIVES_ALL_REDUCE": "oneshot"})
+    grafted = _launch(tmp_path, True, {"GRAFT_COLLECTIVES_ALL_REDUCE": "oneshot", "GRAFT_BACKENDS": "torch"})
     plain_results = _finish(*plain, timeout=300)
     graft_results = _finish(*grafted, timeout=300)
 
@@ -403,9 +452,12 @@ def test_zero_stages_match_plain_deepspeed(tmp_path):
 # ------------------------------------------------------------------ the runner (no script changes)
 
 
-@pytest.mark.parametrize("switch, expected", [("1", "GraftAccelerator"), ("0", "CPU_Accelerator")])
-def test_runner_activates_before_the_script(tmp_path, switch, expected):
-    """What `deepspeed --module graft.adapters.deepspeed train.py` runs on each rank."""
+@pytest.mark.parametrize("switch, backends, expected", [("1", "torch", "GraftAccelerator"),
+                                                        ("1", "", "CPU_Accelerator"),
+                                                        ("0", "torch", "CPU_Accelerator")])
+def test_runner_activates_before_the_script(tmp_path, switch, backends, expected):
+    """What `deepspeed --module graft.adapters.deepspeed train.py` runs on each rank. Without a
+    tuning table or a GRAFT_* variable graft is not known faster, and DeepSpeed keeps its own."""
     script = tmp_path / "train.py"
     script.write_text(
         "import sys\n"
@@ -414,6 +466,7 @@ def test_runner_activates_before_the_script(tmp_path, switch, expected):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
     env["GRAFT_DEEPSPEED"] = switch
+    env["GRAFT_BACKENDS"] = backends
     run = subprocess.run([sys.executable, "-m", "graft.adapters.deepspeed", "--local_rank=1", str(script), "a", "-b"],
                          env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -422,6 +475,11 @@ def test_runner_activates_before_the_script(tmp_path, switch, expected):
 
 def test_status_command(fresh_graft):
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    run = subprocess.run([sys.executable, "-m", "graft.adapters.deepspeed"], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "graft DeepSpeed integration: off (graft serves no part here: adam (graft is not known faster" in run.stdout
+    env["GRAFT_BACKENDS"] = "torch"
     run = subprocess.run([sys.executable, "-m", "graft.adapters.deepspeed"], env=env, capture_output=True, text=True,
                          timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -51,6 +51,7 @@ def integration() -> FrameworkIntegration:
         description="FusedAdam -> fused.adam_step; deepspeed.comm all_reduce/all_gather/reduce_scatter -> "
         "graft collectives (accelerator wrapper + comm backend)",
         env_var=ENV_VAR,
+        measured=True,  # FusedAdam / CPUAdam and DeepSpeed's comm stay unless graft is known faster
         needs={"adam": ("fused.adam_step",),
                "comm": ("collectives.all_reduce", "collectives.all_gather", "collectives.reduce_scatter")},
         notes=[
@@ -90,7 +91,11 @@ def _rebind_builders(accelerator, builders: dict) -> list:
 def activate() -> bool:
     """Route DeepSpeed's FusedAdam and collectives to graft. Idempotent.
 
-    Returns False (and changes nothing) when ``GRAFT_DEEPSPEED=0`` or ``GRAFT_DISABLE=all``;
+    Measured selection: a part (the optimizer, comm) is taken over only where graft is known
+    faster here (a ``GRAFT_*`` variable ordering its ops, e.g. ``GRAFT_BACKENDS=torch``, or a
+    tuning table entry); otherwise DeepSpeed's own code stays untouched, said at INFO.
+    Returns False (and changes nothing) when ``GRAFT_DEEPSPEED=0`` or ``GRAFT_DISABLE=all``,
+    or when graft takes no part;
     raises a clear :class:`graft.errors.GraftError` when DeepSpeed is missing or its version
     is outside :data:`SUPPORTED`.
     """
@@ -103,10 +108,17 @@ def activate() -> bool:
     integ.check_version()  # missing or unsupported DeepSpeed: a clear error, not a half-working patch
     from graft.integration import log_part_off
 
-    off = integ.unavailable_parts()
-    for part, reason in off.items():  # graft cannot serve that part's ops: DeepSpeed keeps its own
+    unavailable = integ.unavailable_parts()
+    for part, reason in unavailable.items():  # graft cannot serve that part's ops: DeepSpeed keeps its own
         log_part_off("deepspeed", part, reason)
+    off = integ.left_parts()
+    for part, reason in off.items():  # graft is not known faster: DeepSpeed's own code stays, untouched
+        if part not in unavailable:
+            logging.getLogger("graft.integration.deepspeed").info(
+                "graft: DeepSpeed's %s stays DeepSpeed's own code: %s", part, reason)
     if len(off) == len(integ.needs):
+        if len(unavailable) < len(off):
+            integ.report_layers()
         return False
     with _lock:
         if _active:
@@ -159,7 +171,7 @@ def status_lines() -> list:
     accelerator = get_accelerator()
     device = accelerator.device_name()
     x = torch.zeros(8, device="cuda" if device == "cuda" else "cpu")
-    off = integ.unavailable_parts()
+    off = integ.left_parts()
     lines = [f"graft DeepSpeed integration: active ({integ.status()[1]})",
              f"  accelerator: {accelerator!r}",
              f"  comm: DeepSpeed's own ({off['comm']})" if "comm" in off else

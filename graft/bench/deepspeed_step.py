@@ -8,8 +8,15 @@ build on the CPU, done once before timing). Only where that build fails does the
 fall back to DeepSpeed's torch AdamW (``torch_adam``), and the row says so (``baseline``).
 Steps alternate between them, with graft's integration switched on for the graft engine's
 steps and off for the other's, so machine noise hits both alike.
+
+By default graft takes no part of DeepSpeed it is not known faster for (no tuning table entry,
+no ``GRAFT_*`` variable): the "with graft" engine would simply be DeepSpeed's. So the bench
+chooses graft explicitly, with the user's ``GRAFT_BACKENDS`` or graft's default order, and
+measures graft's code against DeepSpeed's (the row's ``graft_chosen`` says how).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -51,6 +58,18 @@ def _config(run: str, use_graft: bool, torch_adam: bool = False) -> dict:
 
 
 def measure(runs, rounds: int, progress=print) -> list:
+    import graft
+    from graft.config import DEFAULT_BACKEND_PRIORITY
+
+    backends = os.environ.get("GRAFT_BACKENDS") or ",".join(DEFAULT_BACKEND_PRIORITY)
+    with graft.override_config(GRAFT_BACKENDS=backends):
+        rows = _measure(runs, rounds, progress)
+    for row in rows:
+        row["graft_chosen"] = f"GRAFT_BACKENDS={backends}"
+    return rows
+
+
+def _measure(runs, rounds: int, progress) -> list:
     import deepspeed
     import torch.distributed as dist
 

@@ -73,12 +73,24 @@ def _thaw(value):
     return value
 
 
+def _tensor_shapes(args: list) -> list:
+    """The tensor arguments' shapes in order, a list of tensors (a multi-tensor op's
+    parameter list) item by item."""
+    out: list = []
+    for a in args:
+        if isinstance(a, dict) and "shape" in a:
+            out.append(a["shape"])
+        elif isinstance(a, list):
+            out.extend(_tensor_shapes(a))
+    return out
+
+
 def records() -> list:
     """The shapes counted so far, as :mod:`graft.profiling.shapes` writes them."""
     out = []
     for (op, backend, dtype, args, kwargs), calls in sorted(seen.items(), key=lambda kv: (kv[0][0], -kv[1])):
         args_, kwargs_ = _thaw(args), _thaw(kwargs)
-        shapes = [a["shape"] for a in args_ if isinstance(a, dict) and "shape" in a]
+        shapes = _tensor_shapes(args_)
         out.append({"op": op, "backend": backend, "dtype": dtype, "shapes": shapes, "args": args_,
                     "kwargs": kwargs_ if isinstance(kwargs_, dict) else {}, "calls": calls})
     return out

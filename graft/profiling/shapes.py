@@ -7,7 +7,7 @@ call of a graft op::
     {"op": "gemm.linear", "backend": "torch", "dtype": "float32",
      "args": [{"shape": [32, 256], "dtype": "float32"}, {"shape": [384, 256], "dtype": "float32"}, null],
      "kwargs": {},                                   # keyword arguments, summarised the same way
-     "shapes": [[32, 256], [384, 256]],             # the tensor arguments' shapes, in order
+     "shapes": [[32, 256], [384, 256]],             # the tensor arguments' shapes, in order (lists item by item)
      "calls": 12}                                    # how many calls had exactly these arguments
 
 ``args`` holds one item per positional argument: a tensor as ``{"shape", "dtype"}``, a
