@@ -68,6 +68,28 @@ def test_engine_environment_per_variant(monkeypatch):
     assert only["OMP_NUM_THREADS"] == "7"  # a binding of vLLM's sets its own thread count
 
 
+def test_only_the_tuned_variants_read_a_tuning_table(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAFT_TUNING_TABLE", "/somewhere/else.json")  # never passed: it would change "with"
+    assert "GRAFT_TUNING_TABLE" not in bench.engine_env("with", {})
+    tuned = bench.engine_env("tuned_attention", {}, tuning_table="/t.json")
+    assert tuned["GRAFT_TUNING_TABLE"] == "/t.json" and tuned["GRAFT_VLLM_ATTENTION_OVERRIDE"] == "CPU_ATTN"
+    with pytest.raises(GraftConfigError, match="variant 'tuned' needs --tuning-table FILE"):
+        bench.engine_env("tuned", {})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "tuned"], "--variants tuned read a tuning table: give one with --tuning-table FILE"),
+    (["--tuning-table", "/nonexistent/table.json"], "cannot read tuning table '/nonexistent/table.json'"),
+])
+def test_tuning_table_errors(argv, message, monkeypatch):
+    from graft.cli import build_parser
+
+    monkeypatch.setattr(bench, "check_vllm_runs", lambda: None)
+    args = build_parser("bench").parse_args(["bench", "vllm", *argv])
+    with pytest.raises(GraftConfigError, match=message):
+        bench.run(args)
+
+
 def test_workloads_are_the_issues_shapes():
     assert WORKLOADS == {"decode": (16, 32, 64), "prefill": (8, 384, 1)}
     for workload, (count, length, _) in WORKLOADS.items():

@@ -14,7 +14,13 @@ measured back to back (> 1: graft faster). Variants:
 * ``attention``: graft's attention forced on (``GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN``: vLLM's
   CPU platform always picks its own CPU_ATTN, this routes it to graft's GRAFT backend);
 * ``attention_only``: the same with graft serving nothing else (``GRAFT_VLLM_OPS=attention``):
-  graft's attention against vLLM's, every other layer vLLM's own.
+  graft's attention against vLLM's, every other layer vLLM's own;
+* ``tuned`` and ``tuned_attention``: ``with`` and ``attention`` reading the tuning table named by
+  ``--tuning-table`` (``graft tune``'s output), so the same run compares graft's default (no
+  table: it steps aside wherever it is not known faster) with graft as the table selects.
+
+No other variant reads a table: ``GRAFT_TUNING_TABLE`` in the environment is not passed to the
+engines (a table would silently change what ``with`` means).
 
 Each engine runs one OpenMP thread, bound to no core (``--cpus nobind``, the default: vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND=nobind`` with ``OMP_NUM_THREADS=1``), so the OS runs it on whichever
@@ -53,7 +59,10 @@ VARIANTS = {
     "with": {},
     "attention": {"GRAFT_VLLM_ATTENTION_OVERRIDE": "CPU_ATTN"},
     "attention_only": {"GRAFT_VLLM_OPS": "attention", "GRAFT_VLLM_ATTENTION_OVERRIDE": "CPU_ATTN"},
+    "tuned": {},
+    "tuned_attention": {"GRAFT_VLLM_ATTENTION_OVERRIDE": "CPU_ATTN"},
 }
+TUNED = ("tuned", "tuned_attention")  # the variants that read --tuning-table
 MODEL: dict[str, Any] = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False)
 BASELINE = "without"
@@ -166,23 +175,30 @@ class Engine:
 # Not passed to the engines: Triton's interpreter (the test suite's conftest sets it) makes graft
 # select its Triton kernels and run them interpreted on the CPU, about 1000x slower: a decode
 # round in the CI took over 14 minutes instead of seconds. A throughput bench measures compiled code.
-DROPPED = ("TRITON_INTERPRET",)
+# GRAFT_TUNING_TABLE: only the tuned variants read a table, the one --tuning-table names.
+DROPPED = ("TRITON_INTERPRET", "GRAFT_TUNING_TABLE")
 
 
-def engine_env(variant: str, options: dict, cpus: str = "nobind") -> dict:
+def engine_env(variant: str, options: dict, cpus: str = "nobind", tuning_table: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GRAFT_VLLM") and k not in ("GRAFT_BENCH_ENGINE", "VLLM_ENABLE_V1_MULTIPROCESSING")
            and k not in DROPPED}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(VARIANTS[variant], VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1",
                VLLM_CPU_OMP_THREADS_BIND=cpus, GRAFT_BENCH_ENGINE=json.dumps(options))
+    if variant in TUNED:
+        if not tuning_table:
+            raise GraftConfigError(f"graft bench vllm: variant {variant!r} needs --tuning-table FILE (graft tune's "
+                                   "output)")
+        env["GRAFT_TUNING_TABLE"] = tuning_table
     if cpus == "nobind":  # one thread, wherever the OS finds a free core
         env["OMP_NUM_THREADS"] = "1"
     return env
 
 
 def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs: Path, progress, profile=False,
-            cpus: str = "nobind", kv_cache_dtype: str = "auto", timeout: float = 600.0) -> dict:
+            cpus: str = "nobind", kv_cache_dtype: str = "auto", timeout: float = 600.0,
+            tuning_table: str | None = None) -> dict:
     from graft.bench.vllm_engine import WORKLOADS
 
     if BASELINE not in variants:
@@ -196,7 +212,7 @@ def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs:
             progress(f"  starting engine {variant!r} ({settings})")
             # The engine warms up on the workloads it will run only (a prefill warm-up is 3072 tokens).
             options = {"profile": profile, "kv_cache_dtype": kv_cache_dtype, "workloads": list(workloads)}
-            engine = engines[variant] = Engine(variant, model_dir, engine_env(variant, options, cpus),
+            engine = engines[variant] = Engine(variant, model_dir, engine_env(variant, options, cpus, tuning_table),
                                                logs / f"{variant}.log")
             ready = engine.read(timeout)
             results.setdefault("engines", {})[variant] = {k: ready[k] for k in ("engine_seconds",
@@ -239,7 +255,7 @@ def measure(rounds: int, variants: list, workloads: list, model_dir: Path, logs:
 
 
 def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, progress, cpus: str = "nobind",
-                     timeout: float = 600.0) -> dict:
+                     timeout: float = 600.0, tuning_table: str | None = None) -> dict:
     """vLLM's compiled mode (``enforce_eager=False``) from a cold start: each run a fresh engine
     with an empty compile cache (its own ``VLLM_CACHE_ROOT``), timed to its engine build (which
     compiles) and its first generate; variants alternate, ``rounds`` runs each."""
@@ -250,7 +266,7 @@ def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, p
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for variant in order:
             with tempfile.TemporaryDirectory(prefix="graft-bench-vllm-cache-") as cache:
-                env = engine_env(variant, {"enforce_eager": False}, cpus)
+                env = engine_env(variant, {"enforce_eager": False}, cpus, tuning_table)
                 env["VLLM_CACHE_ROOT"] = cache
                 engine = Engine(f"{variant} compiled", model_dir, env, logs / f"{variant}-compiled-{r}.log")
                 try:
@@ -328,6 +344,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cpus", default="nobind",
                         help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind: one thread on no fixed "
                              "core; auto: vLLM's own binding; 0-1: both cores)")
+    parser.add_argument("--tuning-table", default=None, metavar="FILE",
+                        help="a graft tuning table (graft tune's output) read by the variants tuned and "
+                             "tuned_attention (added to --variants when given); no other variant reads a table")
     parser.add_argument("--model-dir", default=None,
                         help="where the benchmark's model is built once (default: a folder under the temp dir)")
 
@@ -355,16 +374,32 @@ def run(args) -> int:
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     if rounds < 1:
         raise GraftConfigError(f"--rounds must be >= 1, got {rounds}")
+    table = args.tuning_table
+    if table is not None:
+        from graft.tuning import load
+
+        table = str(Path(table).resolve())
+        load(table)  # a missing or malformed table: a clear error now, not in every engine
+        if args.variants is None:
+            variants = [v for v in variants if v not in TUNED] + list(TUNED)
+        elif not any(v in TUNED for v in variants):
+            variants += list(TUNED)
+    elif any(v in TUNED for v in variants):
+        raise GraftConfigError(f"--variants {','.join(v for v in variants if v in TUNED)} read a tuning table: "
+                               "give one with --tuning-table FILE")
+    else:
+        variants = [v for v in variants if v not in TUNED]
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / "graft-bench-vllm-llama")
 
     def progress(line):
         print(line, flush=True)
 
     started = time.perf_counter()
+    why_dropped = {"TRITON_INTERPRET": "Triton's interpreter is not a throughput measurement",
+                   "GRAFT_TUNING_TABLE": "only the tuned variants read a table, the one --tuning-table names"}
     for name in DROPPED:
         if os.environ.get(name, "0") not in ("", "0"):
-            progress(f"vllm: {name}={os.environ[name]} is not passed to the engines (Triton's interpreter is "
-                     f"not a throughput measurement)")
+            progress(f"vllm: {name}={os.environ[name]} is not passed to the engines ({why_dropped[name]})")
     progress(f"vllm: building the model in {model_dir} (once)")
     build_model(model_dir)
     import vllm as vllm_module
@@ -375,13 +410,13 @@ def run(args) -> int:
         else:
             progress(f"vllm: {rounds} interleaved rounds of {', '.join(workloads)} on {', '.join(variants)}")
             results = measure(rounds, variants, workloads, model_dir, Path(logs), progress, profile=args.profile,
-                              cpus=args.cpus, kv_cache_dtype=args.kv_cache_dtype)
+                              cpus=args.cpus, kv_cache_dtype=args.kv_cache_dtype, tuning_table=table)
         if args.compiled or args.compiled_only:
             compiled_rounds = 1 if args.quick else 2
             progress(f"vllm: compiled mode from a cold start, {compiled_rounds} run(s) per variant")
             results["compiled"] = measure_compiled(compiled_rounds, variants, model_dir, Path(logs), progress,
-                                                   cpus=args.cpus)
-    results.update(bench="vllm", quick=bool(args.quick), vllm=vllm_module.__version__, model=MODEL,
+                                                   cpus=args.cpus, tuning_table=table)
+    results.update(bench="vllm", quick=bool(args.quick), vllm=vllm_module.__version__, model=MODEL, tuning_table=table,
                    seconds=time.perf_counter() - started)
     for line in report_lines(results):
         progress(line)
