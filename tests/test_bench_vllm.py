@@ -162,4 +162,4 @@ def test_report_lines_of_the_compiled_section():
                                      "ratio_min": 1.5, "ratio_max": 2.5}}}
     text = "\n".join(bench.report_lines(results))
     assert "compiled (enforce_eager=False), cold compile cache" in text
-    assert "with       build    30.0  first generate   0.30  ratio 2.000 (1.500-2.500)" in text
+    assert "  with            build    30.0  first generate   0.30  ratio 2.000 (1.500-2.500)" in text

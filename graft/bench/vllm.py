@@ -301,7 +301,7 @@ def report_lines(results: dict) -> list:
         unit = results["workloads"][workload]["throughput_unit"]
         lines.append(f"{workload} ({unit}; ratio = without graft's time / this variant's, > 1 faster):")
         for variant, row in rows.items():
-            text = (f"  {variant:10s} {row['throughput_median']:9.1f} "
+            text = (f"  {variant:15s} {row['throughput_median']:9.1f} "
                     f"({row['throughput_min']:.1f}-{row['throughput_max']:.1f})")
             if "ratio_median" in row:
                 same = "tokens identical" if row["tokens_identical"] else (
@@ -313,7 +313,7 @@ def report_lines(results: dict) -> list:
         lines.append("compiled (enforce_eager=False), cold compile cache: engine build + first generate, seconds "
                      "(ratio = without graft's / this variant's):")
         for variant, row in results["compiled"].items():
-            text = (f"  {variant:10s} build {row['engine_seconds']:7.1f}  first generate "
+            text = (f"  {variant:15s} build {row['engine_seconds']:7.1f}  first generate "
                     f"{row['first_generate_seconds']:6.2f}")
             if "ratio_median" in row:
                 text += f"  ratio {row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f})"
@@ -321,9 +321,9 @@ def report_lines(results: dict) -> list:
     for workload, by_variant in results.get("layers", {}).items():
         lines.append(f"{workload}: seconds per layer kind in one run")
         kinds = list(_layer_kinds()) + ["other", "total"]
-        lines.append("  " + " " * 10 + "".join(f"{k:>13s}" for k in kinds))
+        lines.append("  " + " " * 15 + "".join(f"{k:>13s}" for k in kinds))
         for variant, row in by_variant.items():
-            lines.append(f"  {variant:10s}" + "".join(f"{row[k]:13.3f}" for k in kinds))
+            lines.append(f"  {variant:15s}" + "".join(f"{row[k]:13.3f}" for k in kinds))
     return lines
 
 
