@@ -30,6 +30,7 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
     # The real-call delta (public op vs the implementation it selected, both real) and the
     # comparison with the function a framework calls itself (torch's F.rms_norm here).
     assert isinstance(row["real_call_delta_us"], float) and row["public_us"] > 0
+    assert isinstance(row["real_noise_us"], float)  # the A/A control beside it
     assert row["framework"] == "torch.nn.functional.rms_norm" and row["framework_us"] > 0
     for entry in summary.values():
         assert set(entry) >= {"worst", "target", "met"} and entry["met"] == (entry["worst"] <= entry["target"])

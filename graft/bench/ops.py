@@ -125,7 +125,10 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         args, kwargs = case.inputs("cpu", dtype)
         impl = graft.select(op, *args, **kwargs)
         direct = impl.fn
-        calls: dict = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs)}
+        # "again" is the direct call a second time: the spread of (again - direct) is the noise floor
+        # any real-call delta below must be read against (an A/A control, measured in the same rounds).
+        calls: dict = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs),
+                       "again": lambda: direct(*args, **kwargs)}
         public = public_entry(op)
         if public is not None:
             calls["public"] = lambda: public(*args, **kwargs)
@@ -138,7 +141,8 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         progress(f"  {op:32s} real call measured")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
-               "real_overhead_us": real.difference("graft", "direct") * 1e6}
+               "real_overhead_us": real.difference("graft", "direct") * 1e6,
+               "real_noise_us": real.difference("again", "direct") * 1e6}
         if public is not None:
             # The real-call delta: the public op against the implementation it selected, both real.
             row["public_us"] = real["public"] * 1e6
@@ -178,5 +182,6 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
                  f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
                  f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)"
                  + (f", public op {row['real_call_delta_us']:+5.2f} us" if "real_call_delta_us" in row else "")
+                 + f" (A/A control {row['real_noise_us']:+5.2f} us)"
                  + (f", vs {row['framework']} {row['vs_framework_us']:+5.2f} us" if "framework" in row else ""))
     return rows

@@ -9,7 +9,11 @@ Sections (``--only`` picks some):
   graft's validation, selection and call path are timed; see :mod:`graft.bench.ops`), and
   beside it the real call against the real implementation called directly, and the real-call
   delta: the public op (``graft.ops.fused.rms_norm``) against the implementation it selected,
-  and against the function a framework would have called (the op's conformance baseline);
+  and against the function a framework would have called (the op's conformance baseline); an
+  A/A control (the direct call timed twice in the same rounds) gives each row its noise floor.
+  After a kernel that streams memory, the interpreter's and the tensors' metadata are cold in
+  the caches, so the same entry costs more there (about 3 us for the 5-tensor attention, MoE
+  and loss ops on the development machine) than warm with a stub (graft's own cost, ~1 us);
 * ``adam``: graft's in-place multi-tensor Adam against ``torch.optim.Adam(foreach=True)`` on 64k fp32;
 * ``collectives``: graft's all_reduce / all_gather / reduce_scatter against torch.distributed
   (2 gloo ranks);
