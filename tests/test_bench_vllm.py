@@ -77,19 +77,6 @@ def test_only_the_tuned_variants_read_a_tuning_table(monkeypatch, tmp_path):
         bench.engine_env("tuned", {})
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--variants", "tuned"], "--variants tuned read a tuning table: give one with --tuning-table FILE"),
-    (["--tuning-table", "/nonexistent/table.json"], "cannot read tuning table '/nonexistent/table.json'"),
-])
-def test_tuning_table_errors(argv, message, monkeypatch):
-    from graft.cli import build_parser
-
-    monkeypatch.setattr(bench, "check_vllm_runs", lambda: None)
-    args = build_parser("bench").parse_args(["bench", "vllm", *argv])
-    with pytest.raises(GraftConfigError, match=message):
-        bench.run(args)
-
-
 def test_workloads_are_the_issues_shapes():
     assert WORKLOADS == {"decode": (16, 32, 64), "prefill": (8, 384, 1)}
     for workload, (count, length, _) in WORKLOADS.items():
@@ -102,6 +89,8 @@ def test_workloads_are_the_issues_shapes():
     (["--variants", "with,fast"], "--variants: unknown variants 'fast'; valid: without, with, attention"),
     (["--workloads", ""], "--workloads: unknown workloads \\(none given\\)"),
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--variants", "tuned"], "--variants tuned read a tuning table: give one with --tuning-table FILE"),
+    (["--tuning-table", "/nonexistent/table.json"], "cannot read tuning table '/nonexistent/table.json'"),
 ])
 def test_argument_errors_name_the_bad_value(argv, message, monkeypatch):
     from graft.cli import build_parser
