@@ -299,7 +299,6 @@ def _child_layouts(ops, cases: _Cases) -> None:
         spec = registry.op(op)
         dtype = _dtype(case)
         args, kwargs = case.inputs("cpu", dtype)
-        # Written-to arguments of in-place ops: an expanded tensor cannot be written; skip it.
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
         for warm in (False, True):
             if warm:
@@ -370,13 +369,17 @@ def _child_reloads(ops, cases: _Cases) -> None:
             first = {e(op, *[_clone(a) for a in args], **kwargs)[1].backend for e in entries}
             if first != {"fuzzvendor"}:
                 return "skip", f"the vendor's implementation does not serve this case ({sorted(first)})"
-            bad, calls, stop = [], [0], threading.Event()
+            bad, failed, calls, stop = [], [], [0], threading.Event()
             settled = [config.current()]
 
             def reader(run):
                 while not stop.is_set():
                     start, before = settled[0], config.current()
-                    _, impl = run(op, *args, **kwargs)
+                    try:
+                        _, impl = run(op, *args, **kwargs)
+                    except Exception as exc:  # noqa: BLE001 - a call that fails under reloads is a finding
+                        failed.append(f"{type(exc).__name__}: {exc}")
+                        return
                     calls[0] += 1
                     if (start is before is config.current() is settled[0] and impl.backend == "fuzzvendor"
                             and "fuzzvendor" in (before.get("GRAFT_DISABLE") or "")):
@@ -403,6 +406,8 @@ def _child_reloads(ops, cases: _Cases) -> None:
             after = {e(op, *[_clone(a) for a in args], **kwargs)[1].backend for e in entries for _ in range(2)}
             os.environ["GRAFT_DISABLE"] = base
             graft.reload_config()
+            if failed:
+                return "exception", f"{len(failed)} of 8 threads' calls raised during {reloads} reloads: {failed[0]}"
             if bad or "fuzzvendor" in after:
                 return "mismatch", (f"{len(bad)} of {calls[0]} calls during {reloads} reloads served by an excluded "
                                     f"implementation; after the last reload: {sorted(after)}")

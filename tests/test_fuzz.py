@@ -531,7 +531,7 @@ def test_fuzz_gradcheck(tmp_path):
 
 @pytest.mark.slow
 def test_fuzz_every_class_every_op(tmp_path):
-    proc, results = _graft_fuzz(tmp_path, "--time-budget", "500", timeout=600)
+    proc, results = _graft_fuzz(tmp_path, "--time-budget", "360", timeout=450)
     for cls in ("layouts", "reloads", "double_backward", "gradcheck"):
         assert any(r["class"] == cls for r in results), cls
     _assert_clean(proc, [r for r in results if r["outcome"] != "not run"], "gradcheck")
