@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "tune": ("graft.tune", "measure graft's implementations against the framework's own on this device; write a tuning table"),
     "bench-kernels": ("graft.kernels.bench", "time graft's kernels against library baselines on model shapes"),
     "profile": ("graft.profiling.cli", "run a command with torch.profiler and graft's op ranges; report where time went"),
+    "fuzz": ("graft.fuzz", "hostile layouts, reload races, double backward and gradcheck over every op, in bounded time"),
 }
 
 

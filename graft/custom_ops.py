@@ -175,3 +175,52 @@ def _describe(qualname: str) -> str:
 def has_backward(op) -> bool:
     """True when ``op`` (a graft custom op) has a backward registered through :func:`register_backward`."""
     return op is not None and _qualname(op) in _WITH_BACKWARD
+
+
+def _double_backward_message(described: str, detail: str) -> bytes:
+    return (f"no double backward for {described} ({detail}); for higher-order gradients differentiate "
+            f"the op's torch reference (graft.plugins.get_registry().op(name).reference)").encode()
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the inputs of a composite torch computation whose own backward cannot be
+    differentiated again (torch's fused SDPA kernels): first-order gradients pass through
+    unchanged; under ``create_graph=True`` they are made to raise the named error when
+    differentiated, instead of torch's "derivative for aten::<kernel>_backward is not
+    implemented" (which names no graft op)."""
+
+    @staticmethod
+    def forward(ctx, message, *tensors):
+        ctx.message = message
+        ctx.save_for_backward(*tensors)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return (None, *grads)
+        from torch._C import _functions
+
+        defined = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+        if not defined:
+            return (None, *grads)
+        inputs = [t for t in ctx.saved_tensors if t.requires_grad]
+        err = _functions.DelayedError(ctx.message, len(defined) + len(inputs))
+        wrapped = err(*[grads[i].detach().requires_grad_(True) for i in defined], *inputs)
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        result = list(grads)
+        for i, g in zip(defined, wrapped):
+            result[i] = g
+        return (None, *result)
+
+
+def no_double_backward(described: str, detail: str, *tensors: torch.Tensor) -> tuple:
+    """``tensors`` unchanged, except that when a gradient is being recorded through them the
+    gradients they receive raise "no double backward for <described> (<detail>)" if
+    differentiated again (``described`` is "<op> on <backend>"). For composite torch code
+    whose kernels have no double backward; a no-op (the same tensors) when no input needs
+    a gradient or under ``torch.compile``."""
+    if (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+            or torch.compiler.is_compiling()):
+        return tensors
+    return _NoDoubleBackward.apply(_double_backward_message(described, detail), *tensors)

@@ -414,5 +414,133 @@ def test_hostile_collective_inputs_2_ranks():
             assert outcome == "match", (case, outcome, detail)
 
 
+# ------------------------------------------------------------------------------ graft fuzz (issue #25)
+# The classes of `graft fuzz` (graft/fuzz.py): layouts, reload races, double backward,
+# gradcheck, each in its own child process and time bound. Fast runs cover a few ops; the
+# slow ones every op. tests/_fuzz_plants.py holds broken implementations they must catch.
+
+def _graft_fuzz(tmp_path, *argv, env=None, timeout=400):
+    out = tmp_path / "fuzz.json"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    full.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    full.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "graft", "fuzz", "--json", str(out), *argv],
+                          capture_output=True, text=True, env=full, timeout=timeout)
+    results = json.loads(out.read_text())["results"] if out.exists() else []
+    return proc, results
+
+
+def _by_outcome(results):
+    found: dict = {}
+    for r in results:
+        found.setdefault(r["outcome"], []).append(r)
+    return found
+
+
+def _assert_clean(proc, results, cls):
+    found = _by_outcome(results)
+    bad = {o: rs for o, rs in found.items() if o not in ("error", "match", "skip")}
+    assert proc.returncode == 0 and not bad, (proc.returncode, {o: [(r["case"], r["detail"]) for r in rs[:5]]
+                                                                for o, rs in bad.items()}, proc.stderr[-2000:])
+    assert f"[{cls}] running (time bound" in proc.stdout, proc.stdout[-2000:]  # progress output
+    assert f"{cls}: " in proc.stdout.splitlines()[-2]  # the per-class summary
+    return found
+
+
+def _check_layouts(found):
+    errors = [r for r in found.get("error", []) if any(f" {k}" in r["case"] for k in ("sparse_csr", "mkldnn", "nested"))]
+    assert errors and all("layout" in r["detail"] for r in errors), errors[:3]
+    # strided views of dense tensors are values like any other: some are served, and right
+    served = [r["case"] for r in found.get("match", []) if "non_contiguous" in r["case"] or "expanded" in r["case"]]
+    assert served, found.get("match", [])[:5]
+
+
+def test_fuzz_layouts(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "layouts", "--time-budget", "120",
+                                "--ops", "fused.rms_norm,gemm.linear,loss.fused_linear_cross_entropy")
+    found = _assert_clean(proc, results, "layouts")
+    _check_layouts(found)
+    kinds = {r["case"].split(" ")[2] for r in results if " arg" in r["case"]}
+    assert {"sparse_csr", "sparse_csc", "sparse_bsr", "sparse_coo", "mkldnn", "nested", "non_contiguous",
+            "expanded_stride0"} <= kinds, kinds
+    assert any("(warm)" in r["case"] for r in results), "no case ran with the dense signature remembered"
+
+
+@pytest.mark.slow
+def test_fuzz_layouts_every_op(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "layouts", "--time-budget", "400", timeout=500)
+    _check_layouts(_assert_clean(proc, results, "layouts"))
+    assert not [r for r in results if r["outcome"] == "not run"], "the time bound cut the run short"
+
+
+def test_fuzz_an_abort_is_a_finding_naming_its_case_and_the_run_goes_on(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "layouts", "--time-budget", "90", "--ops",
+                                "fused.silu_and_mul", "--import", "_fuzz_plants",
+                                env={"GRAFT_FUSED_SILU_AND_MUL": "plant,torch"})
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    aborts = _by_outcome(results).get("abort", [])
+    assert aborts and all("non_contiguous" in r["case"] for r in aborts), aborts
+    assert "SIGABRT" in aborts[0]["detail"], aborts[0]
+    after = results.index(aborts[0]) + 1
+    assert results[after:] and any(r["outcome"] == "error" for r in results[after:]), "the run stopped at the abort"
+    assert "1 finding" in proc.stdout or f"{len(aborts)} finding" in proc.stdout
+
+
+def test_fuzz_reload_races(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "reloads", "--time-budget", "15", "--ops", "fused.rms_norm")
+    found = _assert_clean(proc, results, "reloads")
+    detail = found["match"][0]["detail"]  # "N calls, M reloads"
+    calls, reloads = (int(w) for w in detail.replace(",", "").split()[::2][:2])
+    assert calls > 100 and reloads > 50, detail
+
+
+@pytest.mark.slow
+def test_fuzz_reload_races_every_op(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "reloads", "--time-budget", "200", timeout=300)
+    found = _assert_clean(proc, results, "reloads")
+    assert len(found["match"]) >= 10, [r["case"] for r in results]
+
+
+def test_fuzz_double_backward(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "double_backward", "--time-budget", "90",
+                                "--ops", "fused.rms_norm,loss.fused_linear_cross_entropy,attention.prefill")
+    found = _assert_clean(proc, results, "double_backward")
+    backends = {r["case"].split(" ")[1].split(":")[0] for r in found.get("match", []) + found.get("error", [])}
+    assert {"torch", "triton"} <= backends, backends
+    # triton's backward kernels and torch's SDPA: a named error; the references: the right number
+    assert all("no double backward for" in r["detail"] for r in found["error"])
+    assert any(r["case"].split(" ")[1] == "torch:torch" for r in found["match"])
+
+
+def test_fuzz_double_backward_catches_a_silent_second_derivative(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "double_backward", "--time-budget", "60", "--ops",
+                                "fused.silu_and_mul", "--import", "_fuzz_plants", env={"GRAFT_FUZZ_PLANT": "zero"})
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    bad = [r for r in results if r["outcome"] not in ("error", "match", "skip")]
+    assert [r["case"].split(" ")[1] for r in bad] == ["plant:plant"], bad
+
+
+def test_fuzz_gradcheck(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "gradcheck", "--time-budget", "90",
+                                "--ops", "gemm.linear,fused.silu_and_mul")
+    found = _assert_clean(proc, results, "gradcheck")
+    details = {r["detail"] for r in found["match"]}
+    assert {"float64 gradcheck", "fp32 gradients against the float64 reference"} <= details, details
+
+
+@pytest.mark.slow
+def test_fuzz_every_class_every_op(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--time-budget", "360", timeout=450)
+    for cls in ("layouts", "reloads", "double_backward", "gradcheck"):
+        assert any(r["class"] == cls for r in results), cls
+    _assert_clean(proc, [r for r in results if r["outcome"] != "not run"], "gradcheck")
+
+
+def test_fuzz_usage_errors_exit_2(tmp_path):
+    proc, _ = _graft_fuzz(tmp_path, "--classes", "layouts,bogus", timeout=60)
+    assert proc.returncode == 2 and "unknown fuzz class(es) bogus" in proc.stderr, proc.stderr
+
+
 if __name__ == "__main__":
     _child(sys.argv[1])

@@ -107,3 +107,15 @@ def _value_checks() -> tuple:
         _value_check_cache[1] = (on_cpu, on_gpu)
         _value_check_cache[0] = snap.generation
     return _value_check_cache[1]
+
+
+def acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the references' compute dtype: at least fp32 (fp16/bf16/fp8/integers -> fp32),
+    float64 kept, so that a float64 call (``torch.autograd.gradcheck``, bypassing the public
+    dtype checks) computes in float64 rather than silently in fp32."""
+    return t if t.dtype is torch.float64 else t.float()
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype :func:`acc` gives ``t``."""
+    return torch.float64 if t.dtype is torch.float64 else torch.float32

@@ -85,9 +85,11 @@ import operator
 import torch
 
 from graft.cases import OpCase
+from graft.custom_ops import no_double_backward
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_same_dtype, check_tensor, checks_values_on
+from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_same_dtype, check_tensor,
+                                 checks_values_on)
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,9 +111,9 @@ def _attend(q, k, v, scale, causal, key_pos=None, context_len=None):
     if key_pos is None:
         key_pos, context_len = torch.arange(sk, device=q.device), sk
     group = num_heads // num_kv_heads
-    qf = q.float().transpose(0, 1)  # [H, Sq, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    qf = acc(q).transpose(0, 1)  # [H, Sq, D]
+    kf = acc(k).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
+    vf = acc(v).repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Sq, Sk]
     if causal:
         rows = torch.arange(sq, device=q.device)[:, None]
@@ -119,7 +121,7 @@ def _attend(q, k, v, scale, causal, key_pos=None, context_len=None):
         visible = cols <= rows + (context_len - sq)  # bottom-right aligned
         scores = scores.masked_fill(~visible, float("-inf"))
     if sk == 0:
-        return torch.zeros(sq, num_heads, q.shape[-1], dtype=torch.float32, device=q.device)
+        return torch.zeros(sq, num_heads, q.shape[-1], dtype=acc_dtype(q), device=q.device)
     # Rows that see no key: softmax of all -inf is NaN; define them as zeros.
     row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # masked out, not +inf from an inf input
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
@@ -182,6 +184,9 @@ def prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return prefill_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                  softmax_scale)
     scale = _scale_or_default(softmax_scale, q.shape[-1])
+    # SDPA's fused kernels (CPU flash, CUDA flash/efficient) have no double backward: name it.
+    q, k, v = no_double_backward("attention.prefill on torch", "torch's fused SDPA backward cannot be "
+                                 "differentiated again", q, k, v)
     starts_q = cu_seqlens_q.tolist()
     starts_k = cu_seqlens_k.tolist()
     total_q, total_k = q.shape[0], k.shape[0]

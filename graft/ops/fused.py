@@ -32,7 +32,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
+from graft.ops._validate import acc, can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,11 +42,11 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def rms_norm_reference(x, weight, eps=1e-6, residual=None):
-    xf = x.float()
+    xf = acc(x)
     if residual is not None:
-        xf = xf + residual.float()
+        xf = xf + acc(residual)
     rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = (xf * rstd * weight.float()).to(x.dtype)
+    out = (xf * rstd * acc(weight)).to(x.dtype)
     if residual is None:
         return out
     return out, xf.to(x.dtype)
@@ -63,10 +63,10 @@ def rms_norm_torch(x, weight, eps=1e-6, residual=None):
         if residual.dtype is torch.float32:
             added = x + residual
             return torch.nn.functional.rms_norm(added, (added.shape[-1],), weight, eps), added
-    xf = x.float()
+    xf = acc(x)
     if residual is not None:
-        xf = xf + residual.float()
-    out = torch.nn.functional.rms_norm(xf, (xf.shape[-1],), weight.float(), eps).to(x.dtype)
+        xf = xf + acc(residual)
+    out = torch.nn.functional.rms_norm(xf, (xf.shape[-1],), acc(weight), eps).to(x.dtype)
     if residual is None:
         return out
     return out, xf.to(x.dtype)
@@ -84,22 +84,22 @@ def torch_implementations():
 
 
 def layer_norm_reference(x, weight, bias=None, eps=1e-5):
-    b = None if bias is None else bias.float()
-    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+    b = None if bias is None else acc(bias)
+    return torch.nn.functional.layer_norm(acc(x), (x.shape[-1],), acc(weight), b, eps).to(x.dtype)
 
 
 def silu_and_mul_reference(x):
     d = x.shape[-1] // 2
     if x.dtype is torch.float32:  # no conversions to skip: the framework's own expression
         return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
-    xf = x.float()
+    xf = acc(x)
     return (torch.nn.functional.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
 
 
 def _rotate_reference(x, cos, sin, head_size, is_neox):
     """x: [T, H*D] or [T, H, D]; cos/sin: [T, rot_dim/2] fp32."""
     shape = x.shape
-    xf = x.float().reshape(shape[0], -1, head_size)
+    xf = acc(x).reshape(shape[0], -1, head_size)
     rot_dim = cos.shape[-1] * 2
     rot, rest = xf[..., :rot_dim], xf[..., rot_dim:]
     c, s = cos[:, None, :], sin[:, None, :]
@@ -120,7 +120,7 @@ def rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neo
     pos = positions.reshape(-1).long()
     # Positions outside [0, max_position) (value checks off) leave their token unrotated.
     ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
-    cos_sin = cos_sin_cache.float().index_select(0, torch.where(ok, pos, 0))
+    cos_sin = acc(cos_sin_cache).index_select(0, torch.where(ok, pos, 0))
     cos, sin = cos_sin.chunk(2, dim=-1)
     cos = torch.where(ok[:, None], cos, 1.0)
     sin = torch.where(ok[:, None], sin, 0.0)

@@ -35,7 +35,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import check_same_device, check_tensor
+from graft.ops._validate import acc, check_same_device, check_tensor
 from graft.quant import FORMATS, FP8_BLOCK, PACK_FACTOR, dequantize_fp8, dequantize_int4, unpack_int4
 from graft.registry import OpSpec
 
@@ -65,9 +65,9 @@ def apply_activation(y: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def linear_reference(x, weight, bias=None, activation="none"):
-    y = x.float() @ weight.float().t()
+    y = acc(x) @ acc(weight).t()
     if bias is not None:
-        y = y + bias.float()
+        y = y + acc(bias)
     return apply_activation(y, activation).to(x.dtype)
 
 

@@ -17,7 +17,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor
+from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,9 +25,9 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def fused_linear_cross_entropy_reference(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
-    logits = x.float() @ weight.float().t()
+    logits = acc(x) @ acc(weight).t()
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + acc(bias)
     # A target outside [0, V) (only reachable with the value checks off) counts as ignored.
     vocab = weight.shape[0]
     ignored = (target == ignore_index) | (target < 0) | (target >= vocab)
@@ -53,13 +53,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         ignored = (target == ignore_index) | (target < 0) | (target >= vocab)
         safe = torch.where(ignored, torch.zeros_like(target), target)
-        wf = weight.float()
-        bf = None if bias is None else bias.float()
-        lse = torch.empty(tokens, dtype=torch.float32, device=x.device)
-        losses = torch.empty(tokens, dtype=torch.float32, device=x.device)
+        wf = acc(weight)
+        bf = None if bias is None else acc(bias)
+        lse = torch.empty(tokens, dtype=acc_dtype(x), device=x.device)
+        losses = torch.empty(tokens, dtype=acc_dtype(x), device=x.device)
         chunk = _chunk_rows(tokens, hidden, vocab)
         for start in range(0, tokens, chunk):
-            logits = x[start:start + chunk].float() @ wf.t()
+            logits = acc(x[start:start + chunk]) @ wf.t()
             if bf is not None:
                 logits += bf
             rows = torch.logsumexp(logits, dim=-1)
@@ -68,7 +68,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             losses[start:start + chunk] = rows - picked
             del logits
         losses = losses.masked_fill(ignored, 0.0)
-        valid = (~ignored).sum().to(torch.float32)
+        valid = (~ignored).sum().to(acc_dtype(x))
         ctx.save_for_backward(x, weight, bias, safe, ignored, lse, valid)
         ctx.reduction = reduction
         if reduction == "none":
@@ -82,22 +82,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         tokens, hidden = x.shape
         vocab = weight.shape[0]
         if ctx.reduction == "none":
-            scale = dloss.float()
+            scale = acc(dloss)
         else:
-            scale = (dloss.float() / valid if ctx.reduction == "mean" else dloss.float()).expand(tokens)
+            scale = (acc(dloss) / valid if ctx.reduction == "mean" else acc(dloss)).expand(tokens)
         scale = scale.masked_fill(ignored, 0.0)
         need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
         if torch.is_grad_enabled():  # create_graph=True: these gradients will be differentiated
             return _differentiable_grads(x, weight, bias, safe, scale, need_x, need_w, need_b)
-        wf = weight.float()
-        bf = None if bias is None else bias.float()
-        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_x else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
-        db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_b and bias is not None else None
+        wf = acc(weight)
+        bf = None if bias is None else acc(bias)
+        dx = torch.empty(x.shape, dtype=acc_dtype(x), device=x.device) if need_x else None
+        dw = torch.zeros(weight.shape, dtype=acc_dtype(x), device=x.device) if need_w else None
+        db = torch.zeros(vocab, dtype=acc_dtype(x), device=x.device) if need_b and bias is not None else None
         chunk = _chunk_rows(tokens, hidden, vocab)
         for start in range(0, tokens, chunk):
             end = min(start + chunk, tokens)
-            xc = x[start:end].float()
+            xc = acc(x[start:end])
             d = xc @ wf.t()
             if bf is not None:
                 d += bf
@@ -122,13 +122,13 @@ def _differentiable_grads(x, weight, bias, safe, scale, need_x, need_w, need_b):
     forward, which saved it without a graph. Chunked over tokens the same way."""
     tokens, hidden = x.shape
     vocab = weight.shape[0]
-    wf = weight.float()
-    bf = None if bias is None else bias.float()
+    wf = acc(weight)
+    bf = None if bias is None else acc(bias)
     chunk = _chunk_rows(tokens, hidden, vocab)
     dxs, dw, db = [], None, None
     for start in range(0, tokens, chunk):
         end = min(start + chunk, tokens)
-        xc = x[start:end].float()
+        xc = acc(x[start:end])
         logits = xc @ wf.t()
         if bf is not None:
             logits = logits + bf

@@ -47,7 +47,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import can_read_values, check_same_device, check_tensor, checks_values_on
+from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor, checks_values_on
 from graft.quant import FP8_BLOCK, dequantize_fp8, quantize_fp8_block, quantize_fp8_per_token_group
 from graft.registry import OpSpec
 
@@ -216,17 +216,17 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation=
     """A plain loop over experts with fp32 accumulation: the semantics every backend matches."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-    weights = topk_weights.float()
+    out = torch.zeros(num_tokens, hidden_size, dtype=acc_dtype(hidden), device=hidden.device)
+    weights = acc(topk_weights)
     ids = topk_ids.long()
     for expert in range(w13.shape[0]):
         tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
         if tokens.numel() == 0:
             continue
-        x = hidden[tokens].float()
-        gate_up = x @ w13[expert].float().t()
+        x = acc(hidden[tokens])
+        gate_up = x @ acc(w13[expert]).t()
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ w2[expert].float().t()
+        y = act @ acc(w2[expert]).t()
         out.index_add_(0, tokens, y * weights[tokens, slots].unsqueeze(1))
     return out.to(hidden.dtype)
 

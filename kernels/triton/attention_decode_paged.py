@@ -314,7 +314,8 @@ def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_
                  k_scale=None, v_scale=None):
     """The op's signature on top of the custom op (which needs a concrete float scale)."""
     scale = resolve_scale(softmax_scale, query.shape[-1])
-    return decode_op(query, key_cache, value_cache, block_tables, seq_lens, scale, int(num_splits),
+    # seq_lens is read with unit stride (block_tables with its strides).
+    return decode_op(query, key_cache, value_cache, block_tables, seq_lens.contiguous(), scale, int(num_splits),
                      _scale_tensor(k_scale, query), _scale_tensor(v_scale, query))
 
 

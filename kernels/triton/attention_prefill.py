@@ -268,6 +268,8 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cau
     from graft.kernels.triton.attention_prefill_backward import prefill_lse_op
 
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    # The kernel reads cu_seqlens with unit stride: a strided or expanded view would read other values.
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal), scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return prefill_lse_op(*args)[0]

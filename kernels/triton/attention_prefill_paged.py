@@ -219,7 +219,9 @@ def prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
                   softmax_scale=None):
     """The op's signature on top of the custom op (which needs a concrete float scale)."""
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    return prefill_paged_op(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, int(max_seqlen_q),
+    # cu_seqlens_q and seq_lens are read with unit stride (block_tables with its strides).
+    return prefill_paged_op(q, key_cache, value_cache, block_tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
+                            int(max_seqlen_q),
                             bool(causal), scale)
 
 

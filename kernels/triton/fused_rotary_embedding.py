@@ -138,7 +138,8 @@ rotary_op = define_op("fused_rotary_embedding_triton", _rotary, fake=_rotary_fak
 def rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox=True):
     """fused.rotary_embedding; a missing k travels as an empty [T, 0] tensor through the custom op."""
     k_in = k if k is not None else q.new_empty((q.shape[0], 0))
-    q_out, k_out = rotary_op(positions, q, k_in, int(head_size), cos_sin_cache, bool(is_neox))
+    # The kernel reads positions with unit stride: a strided or expanded view would read other values.
+    q_out, k_out = rotary_op(positions.contiguous(), q, k_in, int(head_size), cos_sin_cache, bool(is_neox))
     return q_out, (k_out if k is not None else None)
 
 

@@ -194,7 +194,8 @@ def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, 
     (and never for ``reduction="none"``, whose backward recomputes)."""
     wants = [t for t in (x, weight, bias) if t is not None]
     grad = reduction != "none" and torch.is_grad_enabled() and any(t.requires_grad for t in wants)
-    return flce_op(x, weight, target, bias, int(ignore_index), str(reduction), grad)[0]
+    # The kernel reads target with unit stride: a strided or expanded view would read other values.
+    return flce_op(x, weight, target.contiguous(), bias, int(ignore_index), str(reduction), grad)[0]
 
 
 def register(registry) -> None:
