@@ -1,0 +1,68 @@
+"""The TorchTitan integration's switch and version gate.
+
+TorchTitan builds a model from a config tree and lets "model converters" rewrite that tree
+before the build (its Float8/MX quantization uses the same hook). Graft's converter,
+``graft.adapters.torchtitan.GraftConverter``, is named in the job's converter list; it swaps
+module configs for graft's subclasses (same parameters, names, sharding declarations), so no
+TorchTitan file is edited. ``GRAFT_TORCHTITAN=0`` makes the converter leave the tree as it
+is; :func:`activate` only checks that the installed TorchTitan is supported.
+"""
+from __future__ import annotations
+
+import logging
+
+from graft import config
+from graft.integration import CallCounter, FrameworkIntegration
+
+log = logging.getLogger("graft.adapters.torchtitan")
+
+ENV_VAR = config.declare_env_var(
+    "GRAFT_TORCHTITAN", "0: graft's TorchTitan converter leaves the model config unchanged; default 1"
+)
+SUPPORTED = ">=0.3,<0.4"
+
+# The parts the converter swaps, and the graft ops each needs.
+NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",)}
+
+# What stays TorchTitan's own code in every model (and why): reported once by the converter.
+NOT_SERVED = {
+    "attention": "TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted yet",
+    "moe": "TorchTitan's GroupedExperts stay its own: not converted yet",
+    "output_loss": "TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted yet",
+    "optimizer": "TorchTitan's optimizer step stays its own (torch.optim AdamW): not converted yet",
+}
+
+
+def integration() -> FrameworkIntegration:
+    return FrameworkIntegration(
+        name="torchtitan",
+        distribution="torchtitan",
+        supported=SUPPORTED,
+        activate=activate,
+        description="model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul",
+        env_var=ENV_VAR,
+        needs=dict(NEEDS),
+        notes=["opt-in per job: add graft.adapters.torchtitan.GraftConverter.Config() to the model's converters"]
+        + [f"{part}: {why}" for part, why in NOT_SERVED.items()],
+    )
+
+
+def enabled() -> bool:
+    """False when switched off; raises a clear error on a missing/unsupported TorchTitan."""
+    integ = integration()
+    ok, why = integ.status()
+    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
+        log.info("graft's TorchTitan integration is off (%s): the model config is left as it is", why)
+        return False
+    integ.check_version()
+    integ.report_layers()
+    return True
+
+
+def activate() -> bool:
+    """Check the switch and the version (TorchTitan needs no patching: the converter is named in its config)."""
+    return enabled()
+
+
+# What graft served inside TorchTitan modules: "<op>:<backend>" and "fallback.<module>".
+counter = CallCounter("torchtitan")

@@ -1,0 +1,179 @@
+"""Driving TorchTitan 0.3.0's own model, parallelize functions, loss and optimizer builders
+on CPU ranks (gloo), graft's converter on or off. Shared by tests/test_torchtitan_*.py and
+``graft bench overhead --only torchtitan``.
+
+Two shims, both here and none in TorchTitan:
+
+* TorchTitan picks its device type once at import (``torchtitan.tools.utils.device_type``,
+  ``"cuda"`` where no accelerator is found) and builds its device mesh on it: the ranks set
+  ``torchtitan.distributed.parallel_dims.device_type = "cpu"``.
+* Its language models build FlexAttention (no backward on CPU) or varlen attention (CUDA
+  flash): the config tree's inner attention is swapped for TorchTitan's own
+  ``ScaledDotProductAttention`` (causal, the config its graph-trainer tests use), on both
+  sides of every comparison.
+* ``Decoder.Config.update_from_config`` imports ``torchtitan.trainer`` only to ask whether its
+  argument is a ``Trainer.Config``; that module imports tensorboard and wandb (metrics), which
+  ci/setup.sh does not install. Where it does not import, a stand-in module whose
+  ``Trainer.Config`` nothing is an instance of answers "no" (the non-trainer path TorchTitan's
+  RL generator takes).
+* gloo has no ``PREMUL_SUM`` reduction: every FSDP2 module gets
+  ``set_force_sum_reduction_for_comms(True)`` (TorchTitan already sets a divide factor of 1).
+
+TorchTitan's ``Trainer`` itself is not run: it needs a tokenizer and a dataset on disk
+(``hf_assets_path``, ``c4_test``) and builds checkpointing, metrics and a dataloader around the
+step. What it does per step is driven directly: model from the registry (with the converter in
+its ``converters`` list, as a job config names it), ``parallelize_llama`` /
+``parallelize_deepseekv3`` (TP plans, activation checkpointing, compile, FSDP2), TorchTitan's
+``CrossEntropyLoss`` and its ``OptimizersContainer`` built from ``default_adamw``.
+"""
+from __future__ import annotations
+
+import tempfile
+
+
+def cpu_attention(model_config):
+    """Swap FlexAttention/varlen configs for TorchTitan's causal SDPA config (CPU shim)."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+
+    for cls in (FlexAttention.Config, VarlenAttention.Config):
+        for _fqn, _cfg, parent, attr in list(model_config.traverse(cls)):
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    return model_config
+
+
+def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel"):
+    """TorchTitan's ModelSpec from its registry, with graft's converter named when ``graft_on``."""
+    import importlib
+
+    from graft.adapters.torchtitan import GraftConverter
+
+    registry = importlib.import_module(f"torchtitan.models.{model}").model_registry
+    spec = registry(flavor, converters=[GraftConverter.Config()] if graft_on else None)
+    cpu_attention(spec.model)
+    return spec
+
+
+def shrink(model_config, n_layers: int):
+    """Keep the first ``n_layers`` layers (a smaller debug model, faster tests)."""
+    model_config.layers = model_config.layers[:n_layers]
+    return model_config
+
+
+def _trainer_stand_in():
+    import sys
+    import types
+
+    try:
+        import torchtitan.trainer  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("torchtitan.trainer")
+        stand_in.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
+        sys.modules["torchtitan.trainer"] = stand_in
+
+
+def build_model(model: str, graft_on: bool, seed: int = 0, n_layers: int | None = None):
+    """A single-process model (no parallelism), weights from ``seed``."""
+    import torch
+
+    spec = model_spec(model, graft_on)
+    if n_layers is not None:
+        shrink(spec.model, n_layers)
+    torch.manual_seed(seed)
+    m = spec.model.build()
+    m.init_states()
+    return spec, m
+
+
+def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
+                ac=False, env=None):
+    """One rank of a TorchTitan training job, in the order its Trainer does it: config
+    ``update_from_config`` (sharding declarations), build on the meta device, its parallelize
+    function, ``to_empty`` + ``init_weights``, its loss and optimizer builders, then per step
+    forward/backward in its SPMD context and the optimizer step. Returns per-step losses (mean
+    over ranks), step-1 gradients (rank 0, full tensors) and graft's counted calls."""
+    import os
+    import types
+
+    if env:
+        os.environ.update(env)
+    import torch
+    import torchtitan.distributed.parallel_dims as pdims
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+    import graft
+    from graft.adapters.torchtitan.integration import counter
+
+    graft.reload_config()
+    pdims.device_type = "cpu"  # shim: see the module docstring
+    counter.reset()
+    spec = model_spec(model, graft_on)
+    if n_layers is not None:
+        shrink(spec.model, n_layers)
+    dp = world // tp
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp,
+                                    spmd_backend=os.environ.get("GRAFT_TEST_TITAN_SPMD", "partial_dtensor"))
+    parallel_dims = ParallelDims.from_config(parallelism, world)
+    parallel_dims.build_mesh()
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    training = TrainingConfig(local_batch_size=batch, seq_len=seq, mixed_precision_param="float32",
+                              mixed_precision_reduce="float32")
+    _trainer_stand_in()
+    spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism, training=training))
+    with torch.device("meta"):
+        m = spec.model.build()
+    ac_config = None
+    if ac:
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        ac_config = FullAC.Config()
+    with tempfile.TemporaryDirectory() as dump:
+        m = spec.parallelize_fn(m, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                compile_config=CompileConfig(enable=compile_model), ac_config=ac_config,
+                                dump_folder=dump)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in m.modules():  # shim: gloo has no PREMUL_SUM (FSDP2 then reduces with plain SUM)
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    m.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m.init_weights(buffer_device=None)
+    m.train()
+    opt_config = default_adamw(lr=1e-3)
+    opt_config.implementation = "for-loop"
+    optim = opt_config.build(model_parts=[m])
+    loss_fn = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size).build()
+    context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if dp > 1 else 0
+    losses, grads = [], {}
+    for step in range(steps):
+        tokens = torch.randint(0, spec.model.vocab_size, (dp, batch, seq + 1), generator=gen)
+        inputs, labels = tokens[dp_rank, :, :-1], tokens[dp_rank, :, 1:]
+        extra = {"positions": torch.arange(seq).expand(batch, seq).contiguous()}
+        if parallelism.spmd_backend == "spmd_types":
+            inputs, labels, extra = annotate_input_spmd_types(parallel_dims, inputs, labels, extra)
+        global_tokens = torch.tensor(float(labels.numel() * dp))
+        optim.zero_grad()
+        with context():
+            pred = m(inputs, **extra)
+            loss, _ = loss_fn(pred, labels, global_tokens)
+            loss.backward()
+        if step == 0:
+            for name, p in m.named_parameters():
+                g = p.grad
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                grads[name] = g.detach().clone()
+        optim.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / tp)  # TP ranks hold the same loss
+    return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
+            "fallbacks": counter.fallbacks()}

@@ -1,0 +1,114 @@
+"""graft's TorchTitan converter on one process: which parts it swaps (and only where graft is
+wanted: measured selection), and a Llama 3 debug model's forward and backward equal with graft
+on and off. Multi-rank training (FSDP2, TP) is in tests/test_torchtitan_training.py."""
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _titan  # noqa: E402
+
+# fp32 on the CPU: graft's torch backend computes RMSNorm and SwiGLU with the same formulas
+# as torch.nn.RMSNorm / F.silu(a) * b, but not necessarily the same op order (rsqrt vs
+# division, one fused cat), so results may differ in the last bits of fp32 (eps 1.2e-7);
+# through 2 layers and the output projection that stays well under 1e-5 relative.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _converter():
+    from graft.adapters.torchtitan import converter
+
+    return converter
+
+
+def test_no_graft_variable_leaves_every_part_to_torchtitan(fresh_graft):
+    """Without a GRAFT_* variable or a tuning table entry, graft is not known faster: the
+    converter swaps nothing and says why for each part."""
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    spec = _titan.model_spec("llama3", graft_on=True)
+    report = _converter().last_report
+    assert report["swapped"] == {}, report
+    for part in ("norm", "swiglu"):
+        assert "not known faster" in report["left"][part], report
+    assert all(type(cfg) is RMSNorm.Config for _, cfg, _, _ in spec.model.traverse(RMSNorm.Config))
+
+
+def test_graft_backends_swaps_norm_and_swiglu(fresh_graft, monkeypatch):
+    from graft.adapters.torchtitan import GraftFeedForward, GraftRMSNorm
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    spec, model = _titan.build_model("llama3", graft_on=True, n_layers=2)
+    report = _converter().last_report
+    # the registry converts the full debug model (6 layers): 2 norms per layer + the final one
+    assert report["swapped"] == {"norm": 13, "swiglu": 6}, report
+    assert "GRAFT_BACKENDS" in report["why"]["norm"], report
+    for part in ("attention", "moe", "output_loss", "optimizer"):
+        assert part in report["left"], report
+    norms = [m for m in model.modules() if isinstance(m, GraftRMSNorm)]
+    ffns = [m for m in model.modules() if isinstance(m, GraftFeedForward)]
+    assert len(norms) == 2 * 2 + 1 and len(ffns) == 2
+
+
+def test_switch_off_leaves_model(fresh_graft, monkeypatch):
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    monkeypatch.setenv("GRAFT_TORCHTITAN", "0")
+    _titan.model_spec("llama3", graft_on=True)
+    report = _converter().last_report
+    assert report["swapped"] == {} and "GRAFT_TORCHTITAN=0" in report["left"]["all"], report
+
+
+def test_unknown_part_is_an_error():
+    with pytest.raises(ValueError, match="unknown parts"):
+        _converter().GraftConverter(_converter().GraftConverter.Config(parts=("norm", "attn")))
+
+
+def _forward_backward(graft_on, n_layers=2, batch=2, seq=16):
+    spec, model = _titan.build_model("llama3", graft_on, seed=0, n_layers=n_layers)
+    tokens = torch.randint(0, spec.model.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    out = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_llama3_forward_backward_graft_on_equals_off(fresh_graft, monkeypatch):
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    counter.reset()
+    out_off, grads_off = _forward_backward(False)
+    assert counter.served_calls() == {}
+    out_on, grads_on = _forward_backward(True)
+    # 2 layers: 2 norms each + the final norm; one SwiGLU per layer (one forward)
+    assert counter.served_calls() == {"fused.rms_norm:torch": 5, "fused.silu_and_mul:torch": 2}
+    assert counter.fallbacks() == {}
+    torch.testing.assert_close(out_on, out_off, rtol=RTOL, atol=ATOL)
+    assert grads_on.keys() == grads_off.keys()
+    for name in grads_off:
+        torch.testing.assert_close(grads_on[name], grads_off[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_llama3_interpreted_triton_tiny(fresh_graft, monkeypatch):
+    """graft's Triton kernels (interpreted on the CPU) serve the swapped parts of a 1-layer model."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest unless the environment chose otherwise)")
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "triton")
+    counter.reset()
+    out_off, grads_off = _forward_backward(False, n_layers=1, batch=1, seq=8)
+    out_on, grads_on = _forward_backward(True, n_layers=1, batch=1, seq=8)
+    served = counter.served_calls()
+    assert served == {"fused.rms_norm:triton": 3, "fused.silu_and_mul:triton": 1}, served
+    torch.testing.assert_close(out_on, out_off, rtol=1e-4, atol=1e-5)
+    for name in grads_off:
+        torch.testing.assert_close(grads_on[name], grads_off[name], rtol=1e-4, atol=1e-5, msg=name)
