@@ -90,7 +90,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
     ``update_from_config`` (sharding declarations), build on the meta device, its parallelize
     function, ``to_empty`` + ``init_weights``, its loss and optimizer builders, then per step
     forward/backward in its SPMD context and the optimizer step. Returns per-step losses (mean
-    over ranks), step-1 gradients (rank 0, full tensors) and graft's counted calls."""
+    over ranks), step-1 gradients (rank 0, full tensors as numpy arrays) and graft's counted calls."""
     import os
     import types
 
@@ -170,7 +170,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
             for name, p in m.named_parameters():
                 g = p.grad
                 g = g.full_tensor() if hasattr(g, "full_tensor") else g
-                grads[name] = g.detach().clone()
+                grads[name] = g.detach().numpy().copy()  # numpy: pickled by value back to the launcher
         optim.step()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)

@@ -8,10 +8,16 @@ activation checkpointing and checkpoints see the same module. Only ``forward`` c
 * ``GraftFeedForward``: the SwiGLU activation ``silu(w1 x) * w3 x`` as ``fused.silu_and_mul``
   (w1, w2, w3 stay TorchTitan's Linears, so their sharding is untouched).
 
-Where a call arrives in a form the graft path does not take (a DTensor activation, which
-TorchTitan's ``partial_dtensor`` SPMD backend passes; its default ``spmd_types`` backend
-passes local tensors), the module runs TorchTitan's own forward, counts
-``fallback.<Module>`` and logs the reason once.
+DTensor activations (TorchTitan's ``partial_dtensor`` SPMD backend under TP/SP) run on their
+local shards, the way TorchTitan's own local-map modules do: both ops are row-wise (RMSNorm
+normalizes the last dim; SwiGLU is elementwise per hidden unit), so a shard on any dim but the
+normalized one (RMSNorm) or any matching shard of gate and up (SwiGLU, column-parallel ``w1`` /
+``w3`` give ``Shard(-1)``) computes exactly its part of the result. A replicated RMSNorm weight
+seen by sequence-sharded activations gets a ``Partial`` gradient (summed over the TP ranks by
+DTensor, as torch's own sharding rule for ``rms_norm`` does). Where a call arrives in a layout
+the local path does not take (a ``Partial`` activation, a sharded normalized dim, meshes that
+differ), the module runs TorchTitan's own forward, counts ``fallback.<Module>`` and logs the
+reason once.
 """
 from __future__ import annotations
 
@@ -19,13 +25,50 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.nn_modules import RMSNorm
 
 from graft.adapters.torchtitan.integration import counter
 
-_DTENSOR = "DTensor activation (partial_dtensor SPMD backend): TorchTitan's own code serves it"
+_DTENSOR = "DTensor layout graft's local-shard path does not take: TorchTitan's own code serves it"
+
+
+def _from_local(out: torch.Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _rms_norm_dtensor(x, weight, eps):
+    """``fused.rms_norm`` on the local shard of a DTensor ``x``; None where the layout does not allow it."""
+    if not isinstance(x, DTensor) or not x.is_contiguous():
+        return None
+    last = x.ndim - 1
+    for p in x.placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % x.ndim != last)):
+            return None
+    if isinstance(weight, DTensor):
+        if weight.device_mesh != x.device_mesh or not all(isinstance(p, Replicate) for p in weight.placements):
+            return None
+        # each rank's weight gradient covers its shard of the activations: a partial sum there
+        w = weight.to_local(grad_placements=[Partial() if isinstance(p, Shard) else Replicate() for p in x.placements])
+    elif any(isinstance(p, Shard) for p in x.placements):
+        return None  # a plain weight would keep a per-rank partial gradient nobody sums
+    else:
+        w = weight
+    return _from_local(counter.run("fused.rms_norm", x.to_local(), w, eps), x)
+
+
+def _silu_and_mul_dtensor(gate, up):
+    """``fused.silu_and_mul`` on local shards of DTensors ``gate``, ``up`` laid out alike; else None."""
+    if not (isinstance(gate, DTensor) and isinstance(up, DTensor)):
+        return None
+    if gate.device_mesh != up.device_mesh or gate.placements != up.placements or gate.shape != up.shape:
+        return None
+    if any(p.is_partial() for p in gate.placements):
+        return None
+    local = counter.run("fused.silu_and_mul", torch.cat((gate.to_local(), up.to_local()), dim=-1))
+    return _from_local(local, gate)
 
 
 class GraftRMSNorm(RMSNorm):
@@ -37,14 +80,17 @@ class GraftRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if isinstance(x, DTensor) or isinstance(weight, DTensor):
-            counter.fallback("GraftRMSNorm", _DTENSOR)
-            return super().forward(x)
         if weight is None:  # elementwise_affine=False: the converter does not swap these
             counter.fallback("GraftRMSNorm", "no weight (elementwise_affine=False)")
             return super().forward(x)
         # torch.nn.RMSNorm's eps=None means the input dtype's machine epsilon
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if isinstance(x, DTensor) or isinstance(weight, DTensor):
+            out = _rms_norm_dtensor(x, weight, eps)
+            if out is None:
+                counter.fallback("GraftRMSNorm", _DTENSOR)
+                return super().forward(x)
+            return out
         return counter.run("fused.rms_norm", x, weight, eps)
 
 
@@ -58,7 +104,10 @@ class GraftFeedForward(FeedForward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
         if isinstance(gate, DTensor) or isinstance(up, DTensor):
-            counter.fallback("GraftFeedForward", _DTENSOR)
-            return self.w2(F.silu(gate) * up)
+            out = _silu_and_mul_dtensor(gate, up)
+            if out is None:
+                counter.fallback("GraftFeedForward", _DTENSOR)
+                return self.w2(F.silu(gate) * up)
+            return self.w2(out)
         # silu_and_mul takes [..., 2*H]: one copy of the two projections side by side
         return self.w2(counter.run("fused.silu_and_mul", torch.cat((gate, up), dim=-1)))
