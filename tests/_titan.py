@@ -2,7 +2,7 @@
 on CPU ranks (gloo), graft's converter on or off. Shared by tests/test_torchtitan_*.py and
 ``graft bench overhead --only torchtitan``.
 
-Two shims, both here and none in TorchTitan:
+The shims, all here and none in TorchTitan:
 
 * TorchTitan picks its device type once at import (``torchtitan.tools.utils.device_type``,
   ``"cuda"`` where no accelerator is found) and builds its device mesh on it: the ranks set
@@ -16,6 +16,11 @@ Two shims, both here and none in TorchTitan:
   ci/setup.sh does not install. Where it does not import, a stand-in module whose
   ``Trainer.Config`` nothing is an instance of answers "no" (the non-trainer path TorchTitan's
   RL generator takes).
+* TorchTitan's default SPMD backend, ``spmd_types``, does not build here: with torch 2.13's
+  FSDP2 ``fully_shard`` refuses its parameters ("all parameters must be DTensors on the full
+  SPMD mesh"), graft or not. The runs use its ``partial_dtensor`` backend (DTensor on the
+  model-parallel axes only), on both sides of every comparison;
+  ``GRAFT_TEST_TITAN_SPMD=spmd_types`` selects the default where it works.
 * gloo has no ``PREMUL_SUM`` reduction: every FSDP2 module gets
   ``set_force_sum_reduction_for_comms(True)`` (TorchTitan already sets a divide factor of 1).
 
@@ -175,5 +180,9 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / tp)  # TP ranks hold the same loss
+    from graft.adapters.torchtitan import modules as graft_modules
+
+    kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in m.modules())
+             for name in ("GraftRMSNorm", "GraftFeedForward")}
     return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
-            "fallbacks": counter.fallbacks()}
+            "fallbacks": counter.fallbacks(), "modules": kinds}

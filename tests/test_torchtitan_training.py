@@ -43,11 +43,12 @@ def _check_equal(off, on):
         np.testing.assert_allclose(gg[name], go[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, err_msg=name)
 
 
-def _check_served(results, n_layers=2, backend="torch"):
-    # per step: 2 norms per layer + the final norm, one SwiGLU per layer (forward calls)
+def _check_served(results, norms, ffns, backend="torch"):
+    """Every swapped module served by graft's ``backend`` once per step (forward), none left."""
     for r in results:
-        assert r["served"] == {f"fused.rms_norm:{backend}": STEPS * (2 * n_layers + 1),
-                               f"fused.silu_and_mul:{backend}": STEPS * n_layers}, r["served"]
+        assert r["modules"] == {"GraftRMSNorm": norms, "GraftFeedForward": ffns}, r["modules"]
+        assert r["served"] == {f"fused.rms_norm:{backend}": STEPS * norms,
+                               f"fused.silu_and_mul:{backend}": STEPS * ffns}, r["served"]
         assert r["fallbacks"] == {}, r["fallbacks"]
 
 
@@ -59,5 +60,18 @@ def test_llama3_2_ranks_graft_on_equals_off(tp):
     off = _train("llama3", False, tp)
     assert all(r["served"] == {} for r in off)
     on = _train("llama3", True, tp)
-    _check_served(on)
+    _check_served(on, norms=2 * 2 + 1, ffns=2)  # 2 layers: attention and ffn norms; the final norm
+    _check_equal(off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_deepseek_v3_moe_fsdp2_graft_on_equals_off():
+    """DeepSeek-V3 debug model (MLA attention, MoE layer with a shared expert): its norms
+    (layer norms, MLA's kv norm, the final norm: 7 in 2 layers) and SwiGLU FeedForwards (the dense layer's
+    and the shared expert's) on graft; the routed experts stay TorchTitan's GroupedExperts."""
+    off = _train("deepseek_v3", False, 1)
+    on = _train("deepseek_v3", True, 1)
+    _check_served(on, norms=7, ffns=2)
     _check_equal(off, on)
