@@ -1,6 +1,6 @@
 """TorchTitan training on 2 gloo ranks, graft's converter on vs off: its registry's debug
 models, its parallelize functions (FSDP2, TP/SP), its loss and optimizer builders (driven
-by tests/_titan.py, which lists the CPU shims and the Trainer parts not exercised).
+by graft.bench.torchtitan_step, whose docstring lists the CPU shims and the Trainer parts not exercised).
 
 Tolerance: fp32 throughout (params, reduction, activations). graft's torch backend computes
 RMSNorm and SwiGLU with the same formulas as TorchTitan's modules but not necessarily the
