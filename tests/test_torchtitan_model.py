@@ -144,3 +144,32 @@ def test_llama3_blocks_compile_fullgraph(fresh_graft, monkeypatch, graft_on):
         assert set(served) == {"fused.rms_norm:torch", "fused.silu_and_mul:torch"}, served
     else:
         assert served == {}
+
+
+def test_baselines_are_torchtitans_modules(fresh_graft, monkeypatch):
+    """``graft conformance``'s TorchTitan baselines compute what TorchTitan's modules compute,
+    and are found through the plugin hook."""
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    from graft.adapters.torchtitan import baselines
+    from graft.plugins import get_host
+    from graft.ops.fused import rms_norm_reference, silu_and_mul_reference
+
+    monkeypatch.setenv("GRAFT_DISABLE_PLUGINS", "vllm,deepspeed,megatron,hip,triton")  # faster host start
+    names = {b.name for group in get_host().collect("graft_conformance_baselines") for b in
+             (group if isinstance(group, list) else [group])}
+    assert {"torchtitan RMSNorm", "torchtitan FeedForward SwiGLU"} <= names, names
+    _, model = _titan.build_model("llama3", False, seed=0, n_layers=1)  # TorchTitan's own modules
+    norm, ffn = model.layers["0"].ffn_norm, model.layers["0"].feed_forward
+    assert type(norm) is RMSNorm and type(ffn) is FeedForward
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, norm.weight.shape[0])
+    eps = norm.eps
+    torch.testing.assert_close(baselines.rms_norm(x, norm.weight, eps), norm(x))
+    torch.testing.assert_close(baselines.rms_norm(x, norm.weight, eps), rms_norm_reference(x, norm.weight, eps))
+    gate_up = torch.cat((ffn.w1(x), ffn.w3(x)), dim=-1)
+    torch.testing.assert_close(ffn.w2(baselines.silu_and_mul(gate_up)), ffn(x))
+    torch.testing.assert_close(baselines.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+    impls = {(i.op, i.backend) for i in baselines.implementations()}
+    assert impls == {("fused.rms_norm", "torchtitan"), ("fused.silu_and_mul", "torchtitan")}
