@@ -173,3 +173,53 @@ def test_baselines_are_torchtitans_modules(fresh_graft, monkeypatch):
     torch.testing.assert_close(baselines.silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
     impls = {(i.op, i.backend) for i in baselines.implementations()}
     assert impls == {("fused.rms_norm", "torchtitan"), ("fused.silu_and_mul", "torchtitan")}
+
+
+def _optim_run(config, steps=3):
+    _, model = _titan.build_model("llama3", False, seed=0, n_layers=1)
+    config.implementation = "for-loop"
+    optim = config.build(model_parts=[model])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        optim.zero_grad()
+        tokens = torch.randint(0, 2048, (2, 9), generator=gen)
+        out = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optim.step()
+    return optim, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_graft_optimizer_container(fresh_graft, monkeypatch):
+    """graft's OptimizersContainer: torch's AdamW unless graft is wanted for fused.adam_step;
+    then GraftAdamW, whose updates equal torch AdamW's (fp32) and keep torch's state keys."""
+    from torchtitan.components.optimizer import default_adamw
+
+    from graft.adapters.torchtitan.integration import counter
+    from graft.adapters.torchtitan.optimizer import graft_adamw
+
+    optim, _ = _optim_run(graft_adamw(lr=1e-3), steps=1)
+    assert [type(o).__name__ for o in optim.optimizers] == ["AdamW"]  # no GRAFT_* variable: torch's
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    _, want = _optim_run(default_adamw(lr=1e-3))
+    counter.reset()
+    optim, got = _optim_run(graft_adamw(lr=1e-3))
+    (opt,) = optim.optimizers
+    assert type(opt).__name__ == "GraftAdamW" and isinstance(opt, torch.optim.AdamW)
+    n = len(want)
+    assert counter.served_calls()["fused.adam_step:torch"] == 3 * n
+    state = next(iter(opt.state.values()))
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 3.0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    # an option graft's op does not take: torch's step for that group, counted and logged
+    from graft.adapters.torchtitan.optimizer import GraftAdamW
+
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.randn(8)
+    ams, ref = GraftAdamW([p], lr=1e-2, amsgrad=True), torch.optim.AdamW([q := torch.nn.Parameter(p.detach().clone())],
+                                                                         lr=1e-2, amsgrad=True)
+    q.grad = p.grad.clone()
+    ams.step()
+    ref.step()
+    assert counter.fallbacks() == {"GraftAdamW": 1}
+    torch.testing.assert_close(p.detach(), q.detach())

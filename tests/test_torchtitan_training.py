@@ -27,9 +27,9 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
 ENV = {"GRAFT_BACKENDS": "torch", "GRAFT_DISABLE_PLUGINS": "triton,hip,vllm,deepspeed,megatron"}
 
 
-def _train(model, graft_on, tp, steps=STEPS, n_layers=2, env=ENV, batch=2, seq=16, timeout=400):
-    return run_ranks(_titan.train_ranks, 2, model, graft_on, tp, steps, 0, n_layers, batch, seq,
-                     timeout=timeout, env=env)
+def _train(model, graft_on, tp, steps=STEPS, n_layers=2, env=ENV, batch=2, seq=16, timeout=400, graft_optim=False):
+    return run_ranks(_titan.train_ranks, 2, model, graft_on, tp, steps, 0, n_layers, batch, seq, False, False, None,
+                     graft_optim, timeout=timeout, env=env)
 
 
 def _check_equal(off, on):
@@ -74,4 +74,23 @@ def test_deepseek_v3_moe_fsdp2_graft_on_equals_off():
     off = _train("deepseek_v3", False, 1)
     on = _train("deepseek_v3", True, 1)
     _check_served(on, norms=7, ffns=2)
+    _check_equal(off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_llama3_fsdp2_graft_model_and_optimizer_equal_torchtitans():
+    """graft's converter and graft's optimizer container (AdamW on fused.adam_step, updating
+    FSDP2's local shards) against TorchTitan's own model and torch AdamW. Adam's update is
+    normalized (m / sqrt(v)), so fp32 rounding differences in the step do not grow: the same
+    tolerances hold."""
+    off = _train("llama3", False, 1)
+    on = _train("llama3", True, 1, graft_optim=True)
+    assert off[0]["optimizers"] == ["AdamW"] and on[0]["optimizers"] == ["GraftAdamW"]
+    n_params = on[0]["n_params"]
+    for r in on:
+        assert r["served"] == {"fused.rms_norm:torch": STEPS * 5, "fused.silu_and_mul:torch": STEPS * 2,
+                               "fused.adam_step:torch": STEPS * n_params}, r["served"]
+        assert r["fallbacks"] == {}, r["fallbacks"]
     _check_equal(off, on)

@@ -5,6 +5,9 @@ subclasses, whose forward runs graft ops.
     from graft.adapters.torchtitan import GraftConverter
     model_spec = model_registry("debugmodel", converters=[GraftConverter.Config()])
 
+The optimizer step is switched in the job's optimizer config instead (the converter rewrites
+only the model config): :mod:`.optimizer` (``graft_adamw``, ``GraftOptimizersContainer``).
+
 Importing this package imports nothing of TorchTitan; :mod:`.converter` does.
 """
 from __future__ import annotations

@@ -7,5 +7,6 @@ from graft.integration import FrameworkPlugin
 
 plugin = FrameworkPlugin(
     "graft.adapters.torchtitan",
-    description="TorchTitan integration: model converter (RMSNorm, SwiGLU feed-forward activation on graft ops)",
+    description=("TorchTitan integration: model converter (RMSNorm, SwiGLU feed-forward activation on graft ops), "
+                 "optimizer container (Adam/AdamW step on fused.adam_step)"),
 )

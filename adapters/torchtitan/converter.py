@@ -75,9 +75,9 @@ class GraftConverter(ModelConfigConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        unknown = sorted(set(config.parts) - set(integration.NEEDS))
+        unknown = sorted(set(config.parts) - set(integration.MODEL_PARTS))
         if unknown:
-            raise ValueError(f"GraftConverter: unknown parts {unknown}; valid: {sorted(integration.NEEDS)}")
+            raise ValueError(f"GraftConverter: unknown parts {unknown}; valid: {sorted(integration.MODEL_PARTS)}")
 
     def convert(self, model_config):
         global last_report

@@ -21,15 +21,18 @@ ENV_VAR = config.declare_env_var(
 )
 SUPPORTED = ">=0.3,<0.4"
 
-# The parts the converter swaps, and the graft ops each needs.
-NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",)}
+# The parts graft serves in TorchTitan, and the graft ops each needs: the converter swaps
+# ``norm`` and ``swiglu``; ``optimizer`` is GraftOptimizersContainer (named in the job config).
+NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",), "optimizer": ("fused.adam_step",)}
+MODEL_PARTS = ("norm", "swiglu")
 
 # What stays TorchTitan's own code in every model (and why): reported once by the converter.
 NOT_SERVED = {
     "attention": "TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted yet",
     "moe": "TorchTitan's GroupedExperts stay its own: not converted yet",
     "output_loss": "TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted yet",
-    "optimizer": "TorchTitan's optimizer step stays its own (torch.optim AdamW): not converted yet",
+    "optimizer": ("the model converter does not swap the optimizer: name graft.adapters.torchtitan.optimizer."
+                  "GraftOptimizersContainer.Config (or graft_adamw()) as the job's optimizer for fused.adam_step"),
 }
 
 
@@ -39,7 +42,8 @@ def integration() -> FrameworkIntegration:
         distribution="torchtitan",
         supported=SUPPORTED,
         activate=activate,
-        description="model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul",
+        description=("model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul; "
+                     "GraftOptimizersContainer: Adam/AdamW step -> fused.adam_step"),
         env_var=ENV_VAR,
         needs=dict(NEEDS),
         notes=["opt-in per job: add graft.adapters.torchtitan.GraftConverter.Config() to the model's converters"]

@@ -99,7 +99,7 @@ class Job:
     context, then the optimizer step. Needs an initialised process group."""
 
     def __init__(self, model, graft_on, tp, seed=0, n_layers=None, batch=2, seq=16, compile_model=False,
-                 ac=False, spmd_backend=None):
+                 ac=False, spmd_backend=None, graft_optim=False):
         import os
         import types
 
@@ -148,7 +148,12 @@ class Job:
             m.init_weights(buffer_device=None)
         m.train()
         self.model = m
-        opt_config = default_adamw(lr=1e-3)
+        if graft_optim:  # graft's container, as a job config names it (Adam/AdamW on fused.adam_step)
+            from graft.adapters.torchtitan.optimizer import graft_adamw
+
+            opt_config = graft_adamw(lr=1e-3)
+        else:
+            opt_config = default_adamw(lr=1e-3)
         opt_config.implementation = "for-loop"
         self.optim = opt_config.build(model_parts=[m])
         self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size).build()
@@ -185,7 +190,7 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None):
+                ac=False, env=None, graft_optim=False):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
     arrays), graft's counted calls and fallbacks, and how many graft modules the model holds."""
@@ -201,7 +206,8 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
 
     graft.reload_config()
     counter.reset()
-    job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac)
+    job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
+              graft_optim=graft_optim)
     gen = torch.Generator().manual_seed(seed + 1)
     losses, grads = [], {}
 
@@ -220,7 +226,9 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
     kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())
              for name in ("GraftRMSNorm", "GraftFeedForward")}
     return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
-            "fallbacks": counter.fallbacks(), "modules": kinds}
+            "fallbacks": counter.fallbacks(), "modules": kinds,
+            "optimizers": [type(o).__name__ for o in job.optim.optimizers],
+            "n_params": sum(1 for p in job.model.parameters() if p.requires_grad)}
 
 
 # The bench's job: Llama 3 debugmodel (dim 256, vocab 2048), 2 layers, 2 x 32 tokens a rank.
