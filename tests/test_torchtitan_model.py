@@ -223,3 +223,42 @@ def test_graft_optimizer_container(fresh_graft, monkeypatch):
     ref.step()
     assert counter.fallbacks() == {"GraftAdamW": 1}
     torch.testing.assert_close(p.detach(), q.detach())
+
+
+def test_moe_routed_experts_equal_torchtitans_in_fp32(fresh_graft, monkeypatch):
+    """Opt-in part ``moe``: DeepSeek-V3's routed experts as one ``moe.fused_experts`` call.
+    TorchTitan's GroupedExperts compute in bfloat16; with its casts made the identity (test
+    only) they compute in fp32, and graft's forward and backward match them to fp32 rounding."""
+    from unittest import mock
+
+    from graft.adapters.torchtitan import converter
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    counter.reset()
+    results = {}
+    with mock.patch.object(torch.Tensor, "bfloat16", lambda self: self):
+        for on in (False, True):
+            spec, model = _titan.build_model("deepseek_v3", on, seed=0, n_layers=2, parts=("norm", "swiglu", "moe"))
+            if on:
+                assert converter.last_report["swapped"]["moe"] >= 1
+            tokens = torch.randint(0, spec.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+            out = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            results[on] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    # 2 layers: layer 1 is the MoE layer (one routed-experts call a forward)
+    assert counter.served_calls() == {"fused.rms_norm:torch": 7, "fused.silu_and_mul:torch": 2,
+                                      "moe.fused_experts:torch": 1}, counter.served_calls()
+    assert counter.fallbacks() == {}
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=RTOL, atol=ATOL)
+    for name, want in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_moe_is_opt_in(fresh_graft, monkeypatch):
+    from graft.adapters.torchtitan import converter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    _titan.model_spec("deepseek_v3", graft_on=True)
+    assert "moe" not in converter.last_report["swapped"]
+    assert converter.last_report["left"]["moe"] == "not in GraftConverter.Config.parts"

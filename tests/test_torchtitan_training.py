@@ -94,3 +94,24 @@ def test_llama3_fsdp2_graft_model_and_optimizer_equal_torchtitans():
                                "fused.adam_step:torch": STEPS * n_params}, r["served"]
         assert r["fallbacks"] == {}, r["fallbacks"]
     _check_equal(off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_deepseek_v3_moe_experts_fsdp2_graft_on_equals_off():
+    """The opt-in ``moe`` part on 2 FSDP2 ranks (expert weights all-gathered by FSDP2, local
+    dispatch): graft's ``moe.fused_experts`` against TorchTitan's experts made fp32 (test-only,
+    see graft.bench.torchtitan_step.fp32_experts) on both sides."""
+    env = dict(ENV, GRAFT_TEST_TITAN_FP32_EXPERTS="1")
+    parts = ("norm", "swiglu", "moe")
+    off = run_ranks(_titan.train_ranks, 2, "deepseek_v3", False, 1, STEPS, 0, 2, 2, 16, False, False, None, False,
+                    parts, timeout=400, env=env)
+    on = run_ranks(_titan.train_ranks, 2, "deepseek_v3", True, 1, STEPS, 0, 2, 2, 16, False, False, None, False,
+                   parts, timeout=400, env=env)
+    for r in on:
+        assert r["modules"] == {"GraftRMSNorm": 7, "GraftFeedForward": 2, "GraftRoutedExperts": 1}, r["modules"]
+        assert r["served"] == {"fused.rms_norm:torch": STEPS * 7, "fused.silu_and_mul:torch": STEPS * 2,
+                               "moe.fused_experts:torch": STEPS}, r["served"]
+        assert r["fallbacks"] == {}, r["fallbacks"]
+    _check_equal(off, on)

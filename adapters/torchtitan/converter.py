@@ -7,7 +7,8 @@ Float8/MX converters use it, naming graft's modules in the model config tree.
 What it swaps (exact TorchTitan types only; a model's own subclass keeps its forward):
 
 * ``RMSNorm.Config`` with a weight -> ``GraftRMSNorm.Config`` (``fused.rms_norm``);
-* ``FeedForward.Config`` -> ``GraftFeedForward.Config`` (``fused.silu_and_mul``).
+* ``FeedForward.Config`` -> ``GraftFeedForward.Config`` (``fused.silu_and_mul``);
+* opt-in, ``RoutedExperts.Config`` -> ``GraftRoutedExperts.Config`` (``moe.fused_experts``).
 
 A part is swapped only where graft is wanted (measured selection, as every integration: a
 ``GRAFT_*`` variable that orders its op's backends, e.g. ``GRAFT_BACKENDS=torch``, or a tuning
@@ -24,11 +25,12 @@ import logging
 from dataclasses import dataclass, fields
 
 from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import ModelConfigConverter
 
 from graft.adapters.torchtitan import integration
-from graft.adapters.torchtitan.modules import GraftFeedForward, GraftRMSNorm
+from graft.adapters.torchtitan.modules import GraftFeedForward, GraftRMSNorm, GraftRoutedExperts
 
 log = logging.getLogger("graft.integration.torchtitan")
 
@@ -39,6 +41,7 @@ last_report: dict = {}
 _SWAPS = (
     (RMSNorm.Config, GraftRMSNorm.Config, "norm"),
     (FeedForward.Config, GraftFeedForward.Config, "swiglu"),
+    (RoutedExperts.Config, GraftRoutedExperts.Config, "moe"),
 )
 
 
@@ -71,7 +74,9 @@ class GraftConverter(ModelConfigConverter):
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
         parts: tuple[str, ...] = ("norm", "swiglu")
-        """The parts to swap (``norm``, ``swiglu``); the others stay TorchTitan's."""
+        """The parts to swap (``norm``, ``swiglu``, ``moe``); the others stay TorchTitan's. ``moe``
+        (routed experts on ``moe.fused_experts``) is opt-in: TorchTitan's experts compute in
+        bfloat16, graft's in the model's dtype, so it changes numerics (see GraftRoutedExperts)."""
 
     def __init__(self, config: Config):
         self.config = config

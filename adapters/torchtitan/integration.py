@@ -23,13 +23,14 @@ SUPPORTED = ">=0.3,<0.4"
 
 # The parts graft serves in TorchTitan, and the graft ops each needs: the converter swaps
 # ``norm`` and ``swiglu``; ``optimizer`` is GraftOptimizersContainer (named in the job config).
-NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",), "optimizer": ("fused.adam_step",)}
-MODEL_PARTS = ("norm", "swiglu")
+NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",), "moe": ("moe.fused_experts",),
+         "optimizer": ("fused.adam_step",)}
+MODEL_PARTS = ("norm", "swiglu", "moe")
 
 # What stays TorchTitan's own code in every model (and why): reported once by the converter.
 NOT_SERVED = {
     "attention": "TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted yet",
-    "moe": "TorchTitan's GroupedExperts stay its own: not converted yet",
+    "router": "TorchTitan's MoE router (top-k, expert bias, load balancing) stays its own",
     "output_loss": "TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted yet",
     "optimizer": ("the model converter does not swap the optimizer: name graft.adapters.torchtitan.optimizer."
                   "GraftOptimizersContainer.Config (or graft_adamw()) as the job's optimizer for fused.adam_step"),

@@ -111,3 +111,61 @@ class GraftFeedForward(FeedForward):
             return self.w2(out)
         # silu_and_mul takes [..., 2*H]: one copy of the two projections side by side
         return self.w2(counter.run("fused.silu_and_mul", torch.cat((gate, up), dim=-1)))
+
+
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts  # noqa: E402
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher  # noqa: E402
+
+
+def _replicated_local(w):
+    """The local tensor of a plain or fully replicated DTensor weight; None for a sharded one."""
+    if not isinstance(w, DTensor):
+        return w
+    if all(isinstance(p, Replicate) for p in w.placements):
+        return w.to_local()
+    return None
+
+
+class GraftRoutedExperts(RoutedExperts):
+    """TorchTitan's routed experts (local dispatch, grouped expert MLPs, scored combine) as one
+    ``moe.fused_experts`` call on the router's top-k scores and ids.
+
+    TorchTitan's own ``GroupedExperts`` runs its grouped GEMMs in bfloat16 (``x.bfloat16()``)
+    whatever the model dtype; ``moe.fused_experts`` computes in the input's dtype with fp32
+    accumulation, so an fp32 model's MoE output is more exact than TorchTitan's and differs
+    from it at bfloat16 rounding: opt-in (``GraftConverter.Config(parts=(..., "moe"))``).
+    Taken only with TorchTitan's local dispatch (its local dispatcher, or the all-to-all one
+    without an EP mesh, which then dispatches locally) on plain tensors and
+    unsharded expert weights; anything else (EP all-to-all, DeepEP, TP-sharded experts) runs
+    TorchTitan's forward, counted as ``fallback.GraftRoutedExperts``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        experts = self.inner_experts
+        why = None
+        dispatcher = self.token_dispatcher
+        # the local dispatcher, or the all-to-all one without an EP mesh (it then dispatches locally)
+        if type(dispatcher) not in (LocalTokenDispatcher, AllToAllTokenDispatcher) or \
+                getattr(dispatcher, "ep_mesh", None) is not None:
+            why = f"{type(dispatcher).__name__} with expert parallelism: TorchTitan's dispatch and experts serve it"
+        elif any(isinstance(t, DTensor) for t in (x_BLD, topk_scores_BLK, topk_expert_ids_BLK)):
+            why = _DTENSOR
+        elif type(experts) is not GroupedExperts:  # e.g. the MXFP8 converter's: its grouped GEMM differs
+            why = f"{type(experts).__name__} is not TorchTitan's plain GroupedExperts"
+        if why is None:
+            w1, w2, w3 = (_replicated_local(w) for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+            if w1 is None or w2 is None or w3 is None:
+                why = "sharded expert weights (TP/EP): TorchTitan's experts serve them"
+        if why is not None:
+            counter.fallback("GraftRoutedExperts", why)
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        B, L, D = x_BLD.shape
+        K = topk_scores_BLK.size(-1)
+        out = counter.run("moe.fused_experts", x_BLD.reshape(B * L, D), torch.cat((w1, w3), dim=1), w2,
+                          topk_scores_BLK.reshape(B * L, K).float(),
+                          topk_expert_ids_BLK.reshape(B * L, K).to(torch.int32), "silu")
+        return out.view(B, -1, D)

@@ -47,14 +47,15 @@ def cpu_attention(model_config):
     return model_config
 
 
-def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel"):
+def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel", parts=None):
     """TorchTitan's ModelSpec from its registry, with graft's converter named when ``graft_on``."""
     import importlib
 
     from graft.adapters.torchtitan import GraftConverter
 
     registry = importlib.import_module(f"torchtitan.models.{model}").model_registry
-    spec = registry(flavor, converters=[GraftConverter.Config()] if graft_on else None)
+    config = GraftConverter.Config() if parts is None else GraftConverter.Config(parts=tuple(parts))
+    spec = registry(flavor, converters=[config] if graft_on else None)
     cpu_attention(spec.model)
     return spec
 
@@ -77,17 +78,27 @@ def _trainer_stand_in():
         sys.modules["torchtitan.trainer"] = stand_in
 
 
-def build_model(model: str, graft_on: bool, seed: int = 0, n_layers: int | None = None):
+def build_model(model: str, graft_on: bool, seed: int = 0, n_layers: int | None = None, parts=None):
     """A single-process model (no parallelism), weights from ``seed``."""
     import torch
 
-    spec = model_spec(model, graft_on)
+    spec = model_spec(model, graft_on, parts=parts)
     if n_layers is not None:
         shrink(spec.model, n_layers)
     torch.manual_seed(seed)
     m = spec.model.build()
     m.init_states()
     return spec, m
+
+
+def fp32_experts():
+    """Test-only: TorchTitan's ``GroupedExperts`` casts its inputs and weights to bfloat16
+    (``x.bfloat16()``) whatever the model dtype; this makes ``Tensor.bfloat16`` the identity in
+    this process, so its experts compute in fp32 and can be compared with graft's
+    ``moe.fused_experts`` at fp32 tolerance (nothing else in these fp32 jobs calls it)."""
+    import torch
+
+    torch.Tensor.bfloat16 = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 class Job:
@@ -99,7 +110,7 @@ class Job:
     context, then the optimizer step. Needs an initialised process group."""
 
     def __init__(self, model, graft_on, tp, seed=0, n_layers=None, batch=2, seq=16, compile_model=False,
-                 ac=False, spmd_backend=None, graft_optim=False):
+                 ac=False, spmd_backend=None, graft_optim=False, parts=None):
         import os
         import types
 
@@ -114,7 +125,7 @@ class Job:
 
         world = torch.distributed.get_world_size()
         pdims.device_type = "cpu"  # shim: see the module docstring
-        spec = model_spec(model, graft_on)
+        spec = model_spec(model, graft_on, parts=parts)
         if n_layers is not None:
             shrink(spec.model, n_layers)
         self.spec, self.tp, self.dp, self.batch, self.seq = spec, tp, world // tp, batch, seq
@@ -190,7 +201,7 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None, graft_optim=False):
+                ac=False, env=None, graft_optim=False, parts=None):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
     arrays), graft's counted calls and fallbacks, and how many graft modules the model holds."""
@@ -206,8 +217,10 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
 
     graft.reload_config()
     counter.reset()
+    if os.environ.get("GRAFT_TEST_TITAN_FP32_EXPERTS") == "1":
+        fp32_experts()
     job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
-              graft_optim=graft_optim)
+              graft_optim=graft_optim, parts=parts)
     gen = torch.Generator().manual_seed(seed + 1)
     losses, grads = [], {}
 
@@ -224,7 +237,8 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
         # the global token count); TP ranks hold the same share
         losses.append(total.item() / tp)
     kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())
-             for name in ("GraftRMSNorm", "GraftFeedForward")}
+             for name in ("GraftRMSNorm", "GraftFeedForward", "GraftRoutedExperts")
+             if any(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())}
     return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
             "fallbacks": counter.fallbacks(), "modules": kinds,
             "optimizers": [type(o).__name__ for o in job.optim.optimizers],
