@@ -27,8 +27,9 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
 ENV = {"GRAFT_BACKENDS": "torch", "GRAFT_DISABLE_PLUGINS": "triton,hip,vllm,deepspeed,megatron"}
 
 
-def _train(model, graft_on, tp, steps=STEPS, n_layers=2, env=ENV, batch=2, seq=16, timeout=400, graft_optim=False):
-    return run_ranks(_titan.train_ranks, 2, model, graft_on, tp, steps, 0, n_layers, batch, seq, False, False, None,
+def _train(model, graft_on, tp, steps=STEPS, n_layers=2, env=ENV, batch=2, seq=16, timeout=400, graft_optim=False,
+           ac=False):
+    return run_ranks(_titan.train_ranks, 2, model, graft_on, tp, steps, 0, n_layers, batch, seq, False, ac, None,
                      graft_optim, timeout=timeout, env=env)
 
 
@@ -43,24 +44,29 @@ def _check_equal(off, on):
         np.testing.assert_allclose(gg[name], go[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, err_msg=name)
 
 
-def _check_served(results, norms, ffns, backend="torch"):
-    """Every swapped module served by graft's ``backend`` once per step (forward), none left."""
+def _check_served(results, norms, ffns, backend="torch", extra=(0, 0)):
+    """Every swapped module served by graft's ``backend`` once per step (forward; ``extra``:
+    recomputed norm and SwiGLU calls a step), none left to TorchTitan."""
     for r in results:
         assert r["modules"] == {"GraftRMSNorm": norms, "GraftFeedForward": ffns}, r["modules"]
-        assert r["served"] == {f"fused.rms_norm:{backend}": STEPS * norms,
-                               f"fused.silu_and_mul:{backend}": STEPS * ffns}, r["served"]
+        assert r["served"] == {f"fused.rms_norm:{backend}": STEPS * (norms + extra[0]),
+                               f"fused.silu_and_mul:{backend}": STEPS * (ffns + extra[1])}, r["served"]
         assert r["fallbacks"] == {}, r["fallbacks"]
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tp2"])
-def test_llama3_2_ranks_graft_on_equals_off(tp):
-    off = _train("llama3", False, tp)
+@pytest.mark.parametrize("tp,ac", [(1, False), (2, False), (1, True)], ids=["fsdp2", "tp2", "fsdp2_full_ac"])
+def test_llama3_2_ranks_graft_on_equals_off(tp, ac):
+    off = _train("llama3", False, tp, ac=ac)
     assert all(r["served"] == {} for r in off)
-    on = _train("llama3", True, tp)
-    _check_served(on, norms=2 * 2 + 1, ffns=2)  # 2 layers: attention and ffn norms; the final norm
+    on = _train("llama3", True, tp, ac=ac)
+    # 2 layers: attention and ffn norms, the final norm; with full activation checkpointing
+    # (TorchTitan's FullAC on each block) backward recomputes the blocks' forward: their 4 norms
+    # and 2 SwiGLUs run twice a step
+    recomputed = (4, 2) if ac else (0, 0)
+    _check_served(on, norms=2 * 2 + 1, ffns=2, extra=recomputed)
     _check_equal(off, on)
 
 

@@ -29,9 +29,12 @@ MODEL_PARTS = ("norm", "swiglu", "moe")
 
 # What stays TorchTitan's own code in every model (and why): reported once by the converter.
 NOT_SERVED = {
-    "attention": "TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted yet",
+    "attention": ("TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted (its flex "
+                  "block masks and varlen metadata have no graft op counterpart wired up yet)"),
     "router": "TorchTitan's MoE router (top-k, expert bias, load balancing) stays its own",
-    "output_loss": "TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted yet",
+    "output_loss": ("TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted (lm_head is its "
+                    "own FSDP2 unit, and ChunkedLossWrapper drives its forward per chunk with FSDP reshard and "
+                    "gradient-sync control; loss.fused_linear_cross_entropy needs the unsharded weight outside it)"),
     "optimizer": ("the model converter does not swap the optimizer: name graft.adapters.torchtitan.optimizer."
                   "GraftOptimizersContainer.Config (or graft_adamw()) as the job's optimizer for fused.adam_step"),
 }

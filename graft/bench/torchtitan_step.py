@@ -26,11 +26,17 @@ The shims, all here and none in TorchTitan:
   ``set_force_sum_reduction_for_comms(True)`` (TorchTitan already sets a divide factor of 1).
 
 TorchTitan's ``Trainer`` itself is not run: it needs a tokenizer and a dataset on disk
-(``hf_assets_path``, ``c4_test``) and builds checkpointing, metrics and a dataloader around the
-step. What it does per step is driven directly: model from the registry (with the converter in
-its ``converters`` list, as a job config names it), ``parallelize_llama`` /
-``parallelize_deepseekv3`` (TP plans, activation checkpointing, compile, FSDP2), TorchTitan's
-``CrossEntropyLoss`` and its ``OptimizersContainer`` built from ``default_adamw``.
+(``hf_assets_path``, ``c4_test``). What it does per step is driven directly: the model from the
+registry (the converter in its ``converters`` list, as a job config names it),
+``update_from_config``, build on meta, ``parallelize_llama`` / ``parallelize_deepseekv3`` (TP
+plans, FullAC activation checkpointing, FSDP2), ``init_weights``, TorchTitan's
+``CrossEntropyLoss``, its ``OptimizersContainer`` (``default_adamw``, or graft's container), the
+SPMD context, forward/backward and ``optimizers.step()``. Not exercised: ``Trainer`` construction
+and its train loop, the tokenizer and dataloader (synthetic tokens), checkpointing, metrics
+logging, the LR scheduler, gradient clipping, gradient accumulation (one micro-batch a step),
+validation, ``ChunkedLossWrapper`` (the loss runs on the full logits), float8/MX converters,
+pipeline and context parallelism, and ``compile`` through ``parallelize_*`` (the tests compile
+blocks in one process; ``Job(compile_model=True)`` is not tested).
 """
 from __future__ import annotations
 
