@@ -121,3 +121,29 @@ def test_deepseek_v3_moe_experts_fsdp2_graft_on_equals_off():
                                "moe.fused_experts:torch": STEPS}, r["served"]
         assert r["fallbacks"] == {}, r["fallbacks"]
     _check_equal(off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tp2"])
+def test_llama3_compiled_by_parallelize_graft_on_equals_off(tp):
+    """TorchTitan's own compile path (``parallelize_llama`` with compile on: each
+    TransformerBlock ``compile(fullgraph=True)``, backend aot_eager here: no C++ toolchain
+    needed, the same Dynamo capture) with graft's modules, under FSDP2 and under TP=2 (the
+    DTensor local-shard path traced too): no graph break, and the same training as TorchTitan's
+    own compiled model."""
+    off = run_ranks(_titan.train_ranks, 2, "llama3", False, tp, STEPS, 0, 2, 2, 16, "aot_eager", False, None,
+                    timeout=400, env=ENV)
+    on = run_ranks(_titan.train_ranks, 2, "llama3", True, tp, STEPS, 0, 2, 2, 16, "aot_eager", False, None,
+                   timeout=400, env=ENV)
+    for r in on:
+        assert r["fallbacks"] == {}, r["fallbacks"]
+        served = r["served"]
+        assert set(served) == {"fused.rms_norm:torch", "fused.silu_and_mul:torch"}, served
+        assert served["fused.silu_and_mul:torch"] == STEPS * 2, served
+        # Each block's two norms record through identical counting ops, which AOTAutograd's CSE
+        # merges into one (graft's CallCounter under compile; see the README): 1 or 2 per block,
+        # plus the final norm, run eagerly.
+        assert STEPS * 3 <= served["fused.rms_norm:torch"] <= STEPS * 5, served
+    _check_equal(off, on)

@@ -35,8 +35,8 @@ SPMD context, forward/backward and ``optimizers.step()``. Not exercised: ``Train
 and its train loop, the tokenizer and dataloader (synthetic tokens), checkpointing, metrics
 logging, the LR scheduler, gradient clipping, gradient accumulation (one micro-batch a step),
 validation, ``ChunkedLossWrapper`` (the loss runs on the full logits), float8/MX converters,
-pipeline and context parallelism, and ``compile`` through ``parallelize_*`` (the tests compile
-blocks in one process; ``Job(compile_model=True)`` is not tested).
+pipeline and context parallelism, and the inductor backend (``compile_model="aot_eager"`` runs
+TorchTitan's compile path, per-block ``fullgraph=True``, without a C++ toolchain).
 """
 from __future__ import annotations
 
@@ -154,7 +154,10 @@ class Job:
             ac_config = FullAC.Config()
         with tempfile.TemporaryDirectory() as dump:
             m = spec.parallelize_fn(m, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                                    compile_config=CompileConfig(enable=compile_model), ac_config=ac_config,
+                                    compile_config=CompileConfig(enable=bool(compile_model),
+                                                                backend=compile_model if isinstance(compile_model, str)
+                                                                else "inductor"),
+                                    ac_config=ac_config,
                                     dump_folder=dump)
         for module in m.modules():  # shim: gloo has no PREMUL_SUM (FSDP2 then reduces with plain SUM)
             if isinstance(module, FSDPModule):
