@@ -33,6 +33,12 @@ DS_BUILD_OPS=0 "${PIP[@]}" deepspeed==0.19.8
 if [ -f ci/requirements-vllm.txt ]; then
     "${PIP[@]}" -r ci/requirements-vllm.txt
 fi
+# TorchTitan 0.3.0 (graft's TorchTitan converter; tests/test_torchtitan_*.py). Its metadata pulls
+# wandb, tensorboard, datasets, tokenizers and torchdata, which the model, parallelize and
+# optimizer code graft drives never imports: install it without dependencies, then only what
+# those modules import (tyro for its config manager, spmd_types for its SPMD module protocol).
+"${PIP[@]}" --no-deps torchtitan==0.3.0 spmd_types==0.2.3
+"${PIP[@]}" tyro==1.0.17
 # Triton 3.6, the version on the GPU machines, beside the venv's own (not in it):
 # tests/test_triton36.py runs a kernel test per Triton kernel file under it (PYTHONPATH), so
 # an API difference fails here and not on a GPU. About 640 MB unpacked, installed once. With

@@ -52,3 +52,10 @@ def test_summary_flags_what_misses_its_target():
     assert summary["op_overhead_us"] == {"worst": 3.5, "op": "b", "target": 2.0, "met": False}
     assert summary["framework_step_ratio"]["step"] == "megatron TP2" and not summary["framework_step_ratio"]["met"]
     assert summary["collectives_ratio"]["met"]
+
+
+def test_summary_counts_torchtitan_steps():
+    from graft.bench.overhead import summarize
+
+    summary = summarize({"megatron": [{"tp": 1, "ratio": 1.01}], "torchtitan": [{"tp": 2, "ratio": 1.07}]})
+    assert summary["framework_step_ratio"]["step"] == "torchtitan TP2" and not summary["framework_step_ratio"]["met"]

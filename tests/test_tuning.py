@@ -366,7 +366,7 @@ def test_each_framework_registers_its_own_code(fresh_graft):
     registry = get_registry()
     frameworks = {op: {i.backend for i in registry.implementations(op) if i.framework}
                   for op in ("fused.rms_norm", "fused.silu_and_mul", "fused.rotary_embedding", "gemm.linear")}
-    assert frameworks == {"fused.rms_norm": {"vllm", "megatron"}, "fused.silu_and_mul": {"vllm"},
+    assert frameworks == {"fused.rms_norm": {"vllm", "megatron", "torchtitan"}, "fused.silu_and_mul": {"vllm", "torchtitan"},
                           "fused.rotary_embedding": {"vllm"}, "gemm.linear": {"vllm", "megatron"}}
     framework_backend.enable("megatron")
     try:

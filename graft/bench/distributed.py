@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-SECTIONS = ("collectives", "deepspeed", "megatron")
+SECTIONS = ("collectives", "deepspeed", "megatron", "torchtitan")
 
 
 def _free_port() -> int:
@@ -76,7 +76,7 @@ def _quiet_frameworks() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    for name in ("DeepSpeed", "deepspeed", "megatron", "torch.distributed"):
+    for name in ("DeepSpeed", "deepspeed", "megatron", "torchtitan", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -129,6 +129,10 @@ def main(argv=None) -> int:
                 from graft.bench import megatron_step
 
                 results[section] = megatron_step.measure((1, 2), rounds=20 if quick else 60, progress=progress)
+            elif section == "torchtitan":
+                from graft.bench import torchtitan_step
+
+                results[section] = torchtitan_step.measure((1, 2), rounds=20 if quick else 60, progress=progress)
         except Exception as exc:  # a section that fails is reported, the others still run
             results[section] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             progress(f"  {section}: failed: {type(exc).__name__}: {exc}")

@@ -19,7 +19,9 @@ Sections (``--only`` picks some):
   (2 gloo ranks);
 * ``deepspeed``: ZeRO-2, ZeRO-3 and ZeRO-2 + CPU offload training steps, graft's
   integration against plain DeepSpeed (2 ranks, both engines in the same processes);
-* ``megatron``: a GPTModel step, graft's layer spec against the local spec, TP1 and TP2.
+* ``megatron``: a GPTModel step, graft's layer spec against the local spec, TP1 and TP2;
+* ``torchtitan``: a TorchTitan Llama 3 debug-model training step (FSDP2 and TP2 on 2 ranks),
+  graft's converter against TorchTitan's own modules (see :mod:`graft.bench.torchtitan_step`).
 
 Ratios are "with graft / without" (lower is better; 1.00 = no cost); targets from the
 issue that asked for this bench: op overhead <= 2 us, framework steps <= 1.05x,
@@ -34,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SECTIONS = ("ops", "adam", "collectives", "deepspeed", "megatron")
-DISTRIBUTED = ("collectives", "deepspeed", "megatron")
+SECTIONS = ("ops", "adam", "collectives", "deepspeed", "megatron", "torchtitan")
+DISTRIBUTED = ("collectives", "deepspeed", "megatron", "torchtitan")
 TARGETS = {"op_overhead_us": 2.0, "real_call_delta_us": 2.0, "framework_step_ratio": 1.05, "collectives_ratio": 1.10, "adam_ratio": 1.10}
 
 
@@ -83,6 +85,8 @@ def summarize(results: dict) -> dict:
     steps = [(f"deepspeed {r['run']}", r["ratio"]) for r in results.get("deepspeed", []) if isinstance(r, dict)
              and "ratio" in r]
     steps += [(f"megatron TP{r['tp']}", r["ratio"]) for r in results.get("megatron", []) if isinstance(r, dict)
+              and "ratio" in r]
+    steps += [(f"torchtitan TP{r['tp']}", r["ratio"]) for r in results.get("torchtitan", []) if isinstance(r, dict)
               and "ratio" in r]
     if steps:
         name, worst = max(steps, key=lambda s: s[1])

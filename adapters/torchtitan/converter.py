@@ -1,0 +1,121 @@
+"""``GraftConverter``: TorchTitan's model-converter hook (``ModelConfigConverter``), as its
+Float8/MX converters use it, naming graft's modules in the model config tree.
+
+    from graft.adapters.torchtitan import GraftConverter
+    spec = torchtitan.models.llama3.model_registry("debugmodel", converters=[GraftConverter.Config()])
+
+What it swaps (exact TorchTitan types only; a model's own subclass keeps its forward):
+
+* ``RMSNorm.Config`` with a weight -> ``GraftRMSNorm.Config`` (``fused.rms_norm``);
+* ``FeedForward.Config`` -> ``GraftFeedForward.Config`` (``fused.silu_and_mul``);
+* opt-in, ``RoutedExperts.Config`` -> ``GraftRoutedExperts.Config`` (``moe.fused_experts``).
+
+A part is swapped only where graft is wanted (measured selection, as every integration: a
+``GRAFT_*`` variable that orders its op's backends, e.g. ``GRAFT_BACKENDS=torch``, or a tuning
+table entry naming a graft backend for it, see :func:`graft.tuning.graft_wanted`); otherwise
+it stays TorchTitan's module with the reason in the report.
+
+Everything else stays TorchTitan's; the converter logs, once per conversion, what it swapped
+and what it left with the reason (``graft.integration.torchtitan``), and records it in
+:data:`last_report`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.moe import RoutedExperts
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.protocols.model import ModelConfigConverter
+
+from graft.adapters.torchtitan import integration
+from graft.adapters.torchtitan.modules import GraftFeedForward, GraftRMSNorm, GraftRoutedExperts
+
+log = logging.getLogger("graft.integration.torchtitan")
+
+# The last conversion's summary: {"swapped": {part: n}, "left": {part or fqn: reason}}.
+last_report: dict = {}
+
+# (TorchTitan config type, graft config type, part name in integration.NEEDS)
+_SWAPS = (
+    (RMSNorm.Config, GraftRMSNorm.Config, "norm"),
+    (FeedForward.Config, GraftFeedForward.Config, "swiglu"),
+    (RoutedExperts.Config, GraftRoutedExperts.Config, "moe"),
+)
+
+
+def _replace(root, new, parent, attr):
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return root
+
+
+def wanted(part: str) -> str | None:
+    """Why graft should serve ``part`` (measured selection, :func:`graft.tuning.graft_wanted`):
+    a GRAFT_* variable or a tuning table entry favouring graft for one of its ops; None: the
+    part stays TorchTitan's own module (no graft call at all)."""
+    from graft.tuning import graft_wanted
+
+    for op in integration.NEEDS[part]:
+        why = graft_wanted(op)
+        if why:
+            return why
+    return None
+
+
+class GraftConverter(ModelConfigConverter):
+    """Swap TorchTitan module configs for graft's (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        parts: tuple[str, ...] = ("norm", "swiglu")
+        """The parts to swap (``norm``, ``swiglu``, ``moe``); the others stay TorchTitan's. ``moe``
+        (routed experts on ``moe.fused_experts``) is opt-in: TorchTitan's experts compute in
+        bfloat16, graft's in the model's dtype, so it changes numerics (see GraftRoutedExperts)."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        unknown = sorted(set(config.parts) - set(integration.MODEL_PARTS))
+        if unknown:
+            raise ValueError(f"GraftConverter: unknown parts {unknown}; valid: {sorted(integration.MODEL_PARTS)}")
+
+    def convert(self, model_config):
+        global last_report
+        report: dict = {"swapped": {}, "left": dict(integration.NOT_SERVED)}
+        last_report = report
+        if not integration.enabled():
+            report["left"] = {"all": f"graft's TorchTitan integration is off ({integration.ENV_VAR}=0 or GRAFT_DISABLE=all)"}
+            return model_config
+        unservable = integration.integration().layers()["left"]
+        for titan_cls, graft_cls, part in _SWAPS:
+            if part not in self.config.parts:
+                report["left"][part] = "not in GraftConverter.Config.parts"
+                continue
+            if part in unservable:
+                report["left"][part] = unservable[part]
+                continue
+            why = wanted(part)
+            if why is None:
+                report["left"][part] = (
+                    "graft is not known faster here (no GRAFT_* variable orders, and no tuning table entry "
+                    "names graft for, " + ", ".join(integration.NEEDS[part]) + ")")
+                continue
+            report.setdefault("why", {})[part] = why
+            for fqn, cfg, parent, attr in list(model_config.traverse(titan_cls)):
+                if type(cfg) is not titan_cls:  # a model's own subclass: its forward may differ
+                    report["left"][fqn] = f"{type(cfg).__qualname__} is not TorchTitan's plain {titan_cls.__qualname__}"
+                    continue
+                if part == "norm" and not cfg.elementwise_affine:
+                    report["left"][fqn] = "RMSNorm without a weight"
+                    continue
+                new = graft_cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+                model_config = _replace(model_config, new, parent, attr)
+                report["swapped"][part] = report["swapped"].get(part, 0) + 1
+        log.info("graft's TorchTitan converter swapped %s; left to TorchTitan: %s",
+                 report["swapped"] or "nothing", "; ".join(f"{k}: {v}" for k, v in report["left"].items()))
+        return model_config

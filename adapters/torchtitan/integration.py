@@ -1,0 +1,76 @@
+"""The TorchTitan integration's switch and version gate.
+
+TorchTitan builds a model from a config tree and lets "model converters" rewrite that tree
+before the build (its Float8/MX quantization uses the same hook). Graft's converter,
+``graft.adapters.torchtitan.GraftConverter``, is named in the job's converter list; it swaps
+module configs for graft's subclasses (same parameters, names, sharding declarations), so no
+TorchTitan file is edited. ``GRAFT_TORCHTITAN=0`` makes the converter leave the tree as it
+is; :func:`activate` only checks that the installed TorchTitan is supported.
+"""
+from __future__ import annotations
+
+import logging
+
+from graft import config
+from graft.integration import CallCounter, FrameworkIntegration
+
+log = logging.getLogger("graft.adapters.torchtitan")
+
+ENV_VAR = config.declare_env_var(
+    "GRAFT_TORCHTITAN", "0: graft's TorchTitan converter leaves the model config unchanged; default 1"
+)
+SUPPORTED = ">=0.3,<0.4"
+
+# The parts graft serves in TorchTitan, and the graft ops each needs: the converter swaps
+# ``norm`` and ``swiglu``; ``optimizer`` is GraftOptimizersContainer (named in the job config).
+NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",), "moe": ("moe.fused_experts",),
+         "optimizer": ("fused.adam_step",)}
+MODEL_PARTS = ("norm", "swiglu", "moe")
+
+# What stays TorchTitan's own code in every model (and why): reported once by the converter.
+NOT_SERVED = {
+    "attention": ("TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted (its flex "
+                  "block masks and varlen metadata have no graft op counterpart wired up yet)"),
+    "router": "TorchTitan's MoE router (top-k, expert bias, load balancing) stays its own",
+    "output_loss": ("TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted (lm_head is its "
+                    "own FSDP2 unit, and ChunkedLossWrapper drives its forward per chunk with FSDP reshard and "
+                    "gradient-sync control; loss.fused_linear_cross_entropy needs the unsharded weight outside it)"),
+    "optimizer": ("the model converter does not swap the optimizer: name graft.adapters.torchtitan.optimizer."
+                  "GraftOptimizersContainer.Config (or graft_adamw()) as the job's optimizer for fused.adam_step"),
+}
+
+
+def integration() -> FrameworkIntegration:
+    return FrameworkIntegration(
+        name="torchtitan",
+        distribution="torchtitan",
+        supported=SUPPORTED,
+        activate=activate,
+        description=("model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul; "
+                     "GraftOptimizersContainer: Adam/AdamW step -> fused.adam_step"),
+        env_var=ENV_VAR,
+        needs=dict(NEEDS),
+        notes=["opt-in per job: add graft.adapters.torchtitan.GraftConverter.Config() to the model's converters"]
+        + [f"{part}: {why}" for part, why in NOT_SERVED.items()],
+    )
+
+
+def enabled() -> bool:
+    """False when switched off; raises a clear error on a missing/unsupported TorchTitan."""
+    integ = integration()
+    ok, why = integ.status()
+    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
+        log.info("graft's TorchTitan integration is off (%s): the model config is left as it is", why)
+        return False
+    integ.check_version()
+    integ.report_layers()
+    return True
+
+
+def activate() -> bool:
+    """Check the switch and the version (TorchTitan needs no patching: the converter is named in its config)."""
+    return enabled()
+
+
+# What graft served inside TorchTitan modules: "<op>:<backend>" and "fallback.<module>".
+counter = CallCounter("torchtitan")
