@@ -67,3 +67,12 @@ def device():
     if name != "cpu" and not torch.cuda.is_available():
         pytest.skip(f"GRAFT_TEST_DEVICE={name} but no GPU is available")
     return torch.device(name)
+
+
+# The fast selection (-m "not slow") is for iterating: it leaves out what spawns
+# torch.distributed ranks (5-30 s a test on 2 cores) as well as what is marked slow itself;
+# the full suite (CI) runs everything.
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)

