@@ -53,8 +53,8 @@ class FrameworkIntegration:
     # Measured selection (issue 21): a part is taken over only where graft is known faster
     # here, i.e. a GRAFT_* variable orders its ops' backends or a tuning table names one of
     # graft's backends for them (graft.tuning.graft_wanted); otherwise the framework's own
-    # code stays, untouched, with that reason. Parts in ``opt_in`` (a choice the user makes
-    # in the framework's own settings) are exempt.
+    # code stays, untouched, with that reason. Integrations that decide per part themselves
+    # (vLLM's plugin, TorchTitan's converter) leave this False and say why in their reports.
     measured: bool = False
 
     def unavailable_parts(self) -> dict:
