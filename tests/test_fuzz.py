@@ -497,7 +497,7 @@ def test_fuzz_reload_races(tmp_path):
 
 @pytest.mark.slow
 def test_fuzz_reload_races_every_op(tmp_path):
-    proc, results = _graft_fuzz(tmp_path, "--classes", "reloads", "--time-budget", "200", timeout=300)
+    proc, results = _graft_fuzz(tmp_path, "--classes", "reloads", "--time-budget", "100", timeout=200)
     found = _assert_clean(proc, results, "reloads")
     assert len(found["match"]) >= 10, [r["case"] for r in results]
 
@@ -531,7 +531,7 @@ def test_fuzz_gradcheck(tmp_path):
 
 @pytest.mark.slow
 def test_fuzz_every_class_every_op(tmp_path):
-    proc, results = _graft_fuzz(tmp_path, "--time-budget", "360", timeout=450)
+    proc, results = _graft_fuzz(tmp_path, "--time-budget", "200", timeout=320)
     for cls in ("layouts", "reloads", "double_backward", "gradcheck"):
         assert any(r["class"] == cls for r in results), cls
     _assert_clean(proc, [r for r in results if r["outcome"] != "not run"], "gradcheck")
