@@ -124,6 +124,28 @@ def adapt_same_args(fn, args, kwargs):
     return fn, tuple(args), dict(kwargs), None
 
 
+def adapt_unless(check):
+    """An adapter passing the op's arguments as they are, unless ``check(*args, **kwargs)``
+    names why the baseline cannot run this case (its reason is then the adapter's answer)."""
+    def adapt(fn, args, kwargs):
+        why = check(*args, **kwargs)
+        return why if why else (fn, tuple(args), dict(kwargs), None)
+
+    return adapt
+
+
+def load_when(fn, available=None):
+    """A loader returning ``fn``, or raising ImportError with ``available()``'s reason (a
+    framework that is not installed or cannot run here)."""
+    def load():
+        reason = available() if available is not None else None
+        if reason:
+            raise ImportError(reason)
+        return fn
+
+    return load
+
+
 # --------------------------------------------------------------------------- loaders
 
 

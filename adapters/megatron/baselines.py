@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from graft.conformance.baselines import Baseline, adapt_same_args
+from graft.conformance.baselines import Baseline, adapt_same_args, adapt_unless, load_when
 
 FRAMEWORK = "megatron"
 
@@ -64,25 +64,12 @@ def implementations() -> list:
     ]
 
 
-def _load(fn):
-    def load():
-        reason = _megatron_present()
-        if reason:
-            raise ImportError(reason)
-        return fn
-
-    return load
-
-
-def _adapt_no_residual(fn, args, kwargs):
-    why = _no_residual(*args, **kwargs)
-    return why if why else (fn, tuple(args), dict(kwargs), None)
-
-
 def baselines() -> list:
     return [
-        Baseline("megatron local RMSNorm", "fused.rms_norm", _load(rms_norm), _adapt_no_residual,
+        Baseline("megatron local RMSNorm", "fused.rms_norm",
+                 load_when(rms_norm, _megatron_present), adapt_unless(_no_residual),
                  "Megatron-core's local spec norm (WrappedTorchNorm: torch.nn.RMSNorm)"),
-        Baseline("megatron local LayerNorm", "fused.layer_norm", _load(layer_norm), adapt_same_args,
+        Baseline("megatron local LayerNorm", "fused.layer_norm",
+                 load_when(layer_norm, _megatron_present), adapt_same_args,
                  "Megatron-core's local spec norm (WrappedTorchNorm: torch.nn.LayerNorm)"),
     ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graft.conformance.baselines import Baseline, adapt_same_args
+from graft.conformance.baselines import Baseline, adapt_same_args, adapt_unless, load_when
 
 FRAMEWORK = "torchtitan"
 
@@ -53,25 +53,12 @@ def implementations() -> list:
     ]
 
 
-def _load(fn):
-    def load():
-        reason = _torchtitan_present()
-        if reason:
-            raise ImportError(reason)
-        return fn
-
-    return load
-
-
-def _adapt_no_residual(fn, args, kwargs):
-    why = _no_residual(*args, **kwargs)
-    return why if why else (fn, tuple(args), dict(kwargs), None)
-
-
 def baselines() -> list:
     return [
-        Baseline("torchtitan RMSNorm", "fused.rms_norm", _load(rms_norm), _adapt_no_residual,
+        Baseline("torchtitan RMSNorm", "fused.rms_norm",
+                 load_when(rms_norm, _torchtitan_present), adapt_unless(_no_residual),
                  "TorchTitan's RMSNorm (torch.nn.RMSNorm)"),
-        Baseline("torchtitan FeedForward SwiGLU", "fused.silu_and_mul", _load(silu_and_mul), adapt_same_args,
+        Baseline("torchtitan FeedForward SwiGLU", "fused.silu_and_mul",
+                 load_when(silu_and_mul, _torchtitan_present), adapt_same_args,
                  "TorchTitan's FeedForward activation (F.silu(w1 x) * w3 x)"),
     ]

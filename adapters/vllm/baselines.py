@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from graft.conformance.baselines import Baseline, adapt_same_args, kwarg
+from graft.conformance.baselines import Baseline, adapt_same_args, kwarg, load_when
 
 FRAMEWORK = "vllm"
 
@@ -119,16 +119,6 @@ def implementations() -> list:
 # --------------------------------------------------------------------------- conformance
 
 
-def _load(fn, available=None):
-    def load():
-        reason = available() if available is not None else None
-        if reason:
-            raise ImportError(reason)
-        return fn
-
-    return load
-
-
 def _load_silu_and_mul():
     from vllm.model_executor.layers.activation import SiluAndMul
 
@@ -146,7 +136,7 @@ def _adapt_rms_norm(fn, args, kwargs):
 
 def baselines() -> list:
     return [
-        Baseline("vllm RMSNorm.forward_native", "fused.rms_norm", _load(rms_norm, _rms_norm_available),
+        Baseline("vllm RMSNorm.forward_native", "fused.rms_norm", load_when(rms_norm, _rms_norm_available),
                  _adapt_rms_norm, "vLLM's native-torch RMSNorm path (vllm.ir rms_norm / fused_add_rms_norm)"),
         Baseline("vllm SiluAndMul.forward_native", "fused.silu_and_mul", _load_silu_and_mul, adapt_same_args),
     ]
