@@ -418,7 +418,7 @@ def _child_reloads(ops, cases: _Cases) -> None:
 
 # ---------------------------------------------------------------- gradients
 
-def _grad_setup(impl_fn, case, spec, args, kwargs):
+def grad_function(impl_fn, case, spec, args, kwargs):
     """(fn of the differentiable inputs -> tuple of floating outputs, leaves)."""
     import torch
 
@@ -489,7 +489,7 @@ def _child_double_backward(ops, cases: _Cases) -> None:
 
             def one(impl=impl, case=case, spec=spec):
                 args, kwargs = case.inputs("cpu", torch.float32)
-                fn, leaves = _grad_setup(impl.fn, case, spec, args, kwargs)
+                fn, leaves = grad_function(impl.fn, case, spec, args, kwargs)
                 try:
                     got = _second_derivative(fn, leaves)
                 except RuntimeError as exc:
@@ -497,7 +497,7 @@ def _child_double_backward(ops, cases: _Cases) -> None:
                     if named in str(exc) and f"on {impl.backend}" in str(exc):
                         return "error", str(exc)[:200]
                     return "exception", f"unclear double-backward error: {type(exc).__name__}: {str(exc)[:300]}"
-                ref_fn, ref_leaves = _grad_setup(spec.reference, case, spec, _to64(args), kwargs)
+                ref_fn, ref_leaves = grad_function(spec.reference, case, spec, _to64(args), kwargs)
                 want = _second_derivative(ref_fn, ref_leaves)
                 if got is None:
                     return ("match", "no differentiable gradient") if want is None else (
@@ -527,13 +527,13 @@ def _child_gradcheck(ops, cases: _Cases) -> None:
                 def one(impl=impl, case=case, spec=spec):
                     if impl.dtypes is None or torch.float64 in impl.dtypes or impl.backend == "torch":
                         args, kwargs = case.inputs("cpu", torch.float64)
-                        fn, leaves = _grad_setup(impl.fn, case, spec, _to64(args), kwargs)
+                        fn, leaves = grad_function(impl.fn, case, spec, _to64(args), kwargs)
                         if not leaves:
                             return "skip", "no differentiable input"
                         ok = torch.autograd.gradcheck(fn, leaves, fast_mode=True, raise_exception=False)
                         return ("match", "float64 gradcheck") if ok else ("mismatch", "float64 gradcheck failed")
                     args, kwargs = case.inputs("cpu", torch.float32)
-                    fn, leaves = _grad_setup(impl.fn, case, spec, args, kwargs)
+                    fn, leaves = grad_function(impl.fn, case, spec, args, kwargs)
                     if not leaves:
                         return "skip", "no differentiable input"
                     outputs = fn(*leaves)
@@ -542,7 +542,7 @@ def _child_gradcheck(ops, cases: _Cases) -> None:
                     gen = torch.Generator().manual_seed(1)
                     cot = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outputs]
                     got = torch.autograd.grad(outputs, leaves, [c.float() for c in cot], allow_unused=True)
-                    ref_fn, ref_leaves = _grad_setup(spec.reference, case, spec, _to64(args), kwargs)
+                    ref_fn, ref_leaves = grad_function(spec.reference, case, spec, _to64(args), kwargs)
                     want = torch.autograd.grad(ref_fn(*ref_leaves), ref_leaves, cot, allow_unused=True)
                     for leaf, g, w in zip(leaves, got, want):
                         w = torch.zeros_like(leaf, dtype=torch.float64) if w is None else w

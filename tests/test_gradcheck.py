@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from graft.conformance.cases import builtin_cases
-from graft.conformance.compare import flatten
+from graft.fuzz import grad_function
 from graft.plugins import get_registry
 
 # op -> the cases (graft.ops.<family>.CASES names) checked: small, and covering the op's variants.
@@ -64,20 +64,9 @@ def test_every_op_with_a_backward_is_checked():
 
 
 def _wrapped(impl, case, args, kwargs):
-    """(function of the differentiable inputs -> tuple of floating outputs, those inputs)."""
-    positions = [i for i in get_registry().op(case.op).grad_inputs
-                 if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
-    leaves = tuple(args[i].detach().clone().requires_grad_(True) for i in positions)
-
-    def fn(*tensors):
-        call = list(args)
-        for i, t in zip(positions, tensors):
-            call[i] = t
-        out = impl.fn(*call, **kwargs)
-        out = case.normalize(out) if case.normalize is not None else out
-        return tuple(v for _, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point())
-
-    return fn, leaves
+    """(function of the differentiable inputs -> tuple of floating outputs, those inputs):
+    the same wrapping graft fuzz's gradcheck class uses."""
+    return grad_function(impl.fn, case, get_registry().op(case.op), args, kwargs)
 
 
 def _params(backend):
