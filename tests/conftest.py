@@ -70,9 +70,28 @@ def device():
 
 
 # The fast selection (-m "not slow") is for iterating: it leaves out what spawns
-# torch.distributed ranks (5-30 s a test on 2 cores) as well as what is marked slow itself;
-# the full suite (CI) runs everything.
+# torch.distributed ranks (5-30 s a test on 2 cores), what is marked slow itself, and the
+# modules below, whose tests run child processes, compilers or linters (their totals in a
+# -m "not slow" run on the 2-core machine, before they were listed); the full suite (CI)
+# runs everything.
+SLOW_MODULES = {
+    "test_fuzz.py": "graft fuzz in child processes (93 s)",
+    "test_reproducers.py": "hostile-input reproducers, one child process each (71 s)",
+    "test_patches.py": "git, upstream trees and their linters (49 s)",
+    "test_vllm_integration.py": "vLLM imported in child processes (46 s)",
+    "test_hip_kernels.py": "C++ compiles with nvcc / torch cpp_extension (35 s)",
+    "test_kernel_safety.py": "every kernel interpreted on hostile values (28 s)",
+    "test_triton36.py": "kernel tests again under Triton 3.6 (26 s)",
+    "test_triton_aot.py": "ahead-of-time compiles for sm_90 and gfx942 (20 s)",
+    "test_gpu_bench_script.py": "the GPU script run on a fake device (15 s)",
+    "test_vllm_cpu_platform.py": "vLLM's CPU platform in its own venv (14 s)",
+    "test_packaging.py": "wheel builds and import scans (14 s)",
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.get_closest_marker("multiprocess") is not None and item.get_closest_marker("slow") is None:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        if item.get_closest_marker("multiprocess") is not None or item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
