@@ -13,8 +13,8 @@ Where graft is wanted for ``fused.adam_step`` (a ``GRAFT_*`` variable or a tunin
 measured selection as for the model parts), ``"Adam"`` / ``"AdamW"`` build :class:`GraftAdam` /
 :class:`GraftAdamW`: ``torch.optim.Adam`` / ``AdamW`` (same param groups, hyperparameters and
 state keys, so TorchTitan's checkpointing and LR schedulers see the same optimizer) whose ``step``
-updates each parameter with ``fused.adam_step``. DTensor parameters (FSDP2 shards, TP shards)
-update their local shard: Adam is elementwise, so a shard's update is exactly its part of the
+updates a group's parameters with one in-place multi-tensor ``fused.adam_step_`` call. DTensor
+parameters (FSDP2 shards, TP shards) update their local shard: Adam is elementwise, so a shard's update is exactly its part of the
 full update. Otherwise, and for options graft's op does not take (``amsgrad``, ``maximize``,
 ``capturable``, ``differentiable``), torch's own optimizer runs, with the reason logged.
 """
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw
 
 from graft.adapters.torchtitan.integration import counter
+from graft.ops.fused import adam_step_
 
 log = logging.getLogger("graft.integration.torchtitan")
 
@@ -64,7 +65,10 @@ class _GraftAdamStep:
                 self._torch_group_step(group)
                 continue
             beta1, beta2 = group["betas"]
-            lr = float(group["lr"])
+            # Parameters that skipped steps (no gradient) have their own step count: one
+            # in-place multi-tensor call (fused.adam_step_, as DeepSpeed's FusedAdam uses it)
+            # per distinct count, normally one for the whole group.
+            by_step: dict = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -74,14 +78,16 @@ class _GraftAdamStep:
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                param, exp_avg, exp_avg_sq = _local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                new_p, new_m, new_v = counter.run(
-                    "fused.adam_step", param, _local(p.grad), exp_avg, exp_avg_sq, lr, float(beta1), float(beta2),
-                    float(group["eps"]), int(state["step"].item()), float(group["weight_decay"]),
-                    self._adam_w_mode, True)
-                param.copy_(new_p)
-                exp_avg.copy_(new_m)
-                exp_avg_sq.copy_(new_v)
+                by_step.setdefault(int(state["step"].item()), []).append(p)
+            for step, params in by_step.items():
+                states = [self.state[p] for p in params]  # type: ignore[attr-defined]
+                backend = adam_step_(
+                    [_local(p) for p in params], [_local(p.grad) for p in params],
+                    [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                    float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step,
+                    float(group["weight_decay"]), self._adam_w_mode, True)
+                if backend is not None:
+                    counter.served("fused.adam_step", backend, len(params))
         return loss
 
     def _torch_group_step(self, group):
