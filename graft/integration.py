@@ -77,10 +77,11 @@ class FrameworkIntegration:
                        + ", ".join(ops) + ")")
                 for part, ops in self.needs.items() if not any(graft_wanted(op) for op in ops)}
 
-    def left_parts(self) -> dict:
-        """``{part: why}`` for every part the framework keeps: graft cannot serve its ops here,
-        or (``measured``) is not known faster for them."""
-        off = self.unavailable_parts()
+    def left_parts(self, unavailable: dict | None = None) -> dict:
+        """``{part: why}`` for every part the framework keeps: graft cannot serve its ops here
+        (``unavailable``, if the caller has it: :meth:`unavailable_parts`), or (``measured``)
+        is not known faster for them."""
+        off = dict(self.unavailable_parts() if unavailable is None else unavailable)
         for part, why in self.not_known_faster().items():
             off.setdefault(part, why)
         return off
@@ -151,9 +152,10 @@ class FrameworkIntegration:
         if not ok:
             return False, f"{self.distribution} {version} is outside the supported range {self.supported}"
         why = f"{self.distribution} {version} is within {self.supported}"
-        off = self.left_parts()
+        unavailable = self.unavailable_parts()
+        off = self.left_parts(unavailable)
         if off and len(off) == len(self.needs):
-            if all(part in self.unavailable_parts() for part in off):
+            if all(part in unavailable for part in off):
                 return False, "every part needs ops graft cannot serve here: " + _describe_off(off)
             return False, "graft serves no part here: " + _describe_off(off)
         if off:

@@ -111,7 +111,7 @@ def activate() -> bool:
     unavailable = integ.unavailable_parts()
     for part, reason in unavailable.items():  # graft cannot serve that part's ops: DeepSpeed keeps its own
         log_part_off("deepspeed", part, reason)
-    off = integ.left_parts()
+    off = integ.left_parts(unavailable)
     for part, reason in off.items():  # graft is not known faster: DeepSpeed's own code stays, untouched
         if part not in unavailable:
             logging.getLogger("graft.integration.deepspeed").info(
