@@ -162,6 +162,20 @@ class FrameworkIntegration:
             why += "; left to " + self.distribution + ": " + _describe_off(off)
         return True, why
 
+    def opt_in_enabled(self, off_message: str) -> bool:
+        """For an integration a user opts into in the framework's own configuration (Megatron's
+        layer spec, TorchTitan's converter): False when graft is switched off (``GRAFT_DISABLE=all``
+        or its variable), said at INFO with ``off_message`` (``%s``: the switch); otherwise the
+        version checked (a clear error when missing or unsupported), the layers it serves and
+        leaves reported once, and True."""
+        ok, why = self.status()
+        if not ok and why in ("GRAFT_DISABLE=all", f"{self.env_var}=0"):
+            logging.getLogger(f"graft.adapters.{self.name}").info(off_message, why)
+            return False
+        self.check_version()
+        self.report_layers()
+        return True
+
     def check_version(self) -> str:
         """Raise a clear error unless the installed framework is in the supported range."""
         version = self.installed_version()

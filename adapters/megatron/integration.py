@@ -8,12 +8,8 @@ the installed megatron-core is supported.
 """
 from __future__ import annotations
 
-import logging
-
 from graft import config
 from graft.integration import CallCounter, FrameworkIntegration
-
-log = logging.getLogger("graft.adapters.megatron")
 
 ENV_VAR = config.declare_env_var(
     "GRAFT_MEGATRON", "0: get_gpt_layer_graft_spec() returns Megatron's own local spec (no graft modules); default 1"
@@ -43,14 +39,7 @@ def integration() -> FrameworkIntegration:
 
 def enabled() -> bool:
     """False when switched off by env var; raises a clear error on a missing/unsupported megatron-core."""
-    integ = integration()
-    ok, why = integ.status()
-    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
-        log.info("graft's Megatron-core integration is off (%s): using Megatron's local spec", why)
-        return False
-    integ.check_version()
-    integ.report_layers()  # once: the layers graft's spec serves and those left to Megatron
-    return True
+    return integration().opt_in_enabled("graft's Megatron-core integration is off (%s): using Megatron's local spec")
 
 
 def activate() -> bool:

@@ -9,12 +9,8 @@ is; :func:`activate` only checks that the installed TorchTitan is supported.
 """
 from __future__ import annotations
 
-import logging
-
 from graft import config
 from graft.integration import CallCounter, FrameworkIntegration
-
-log = logging.getLogger("graft.adapters.torchtitan")
 
 ENV_VAR = config.declare_env_var(
     "GRAFT_TORCHTITAN", "0: graft's TorchTitan converter leaves the model config unchanged; default 1"
@@ -57,14 +53,7 @@ def integration() -> FrameworkIntegration:
 
 def enabled() -> bool:
     """False when switched off; raises a clear error on a missing/unsupported TorchTitan."""
-    integ = integration()
-    ok, why = integ.status()
-    if not ok and why in ("GRAFT_DISABLE=all", f"{ENV_VAR}=0"):
-        log.info("graft's TorchTitan integration is off (%s): the model config is left as it is", why)
-        return False
-    integ.check_version()
-    integ.report_layers()
-    return True
+    return integration().opt_in_enabled("graft's TorchTitan integration is off (%s): the model config is left as it is")
 
 
 def activate() -> bool:
