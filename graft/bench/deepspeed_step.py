@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from graft.bench.timing import interleaved
+from graft.bench.timing import framework_steps
 
 RUNS = ("2", "3", "2off")
 WIDTH, LAYERS, BATCH = 256, 4, 8
@@ -100,22 +100,17 @@ def _measure(runs, rounds: int, progress) -> list:
             engine.step()
             losses[name].append(loss.item())
 
-        before = dict(graft_ds.calls)
-        times = interleaved({name: (lambda n=name: step(n)) for name in engines}, rounds=rounds,
-                            before=lambda name: graft_ds.activate() if name == "graft" else graft_ds.deactivate(),
-                            sync=dist.barrier)
+        # Same model, data and AdamW math: the losses agree up to fp32 rounding (max_loss_diff).
+        compared = framework_steps(
+            {name: (lambda n=name: step(n)) for name in engines}, losses, graft_ds.calls, rounds, "deepspeed",
+            before=lambda name: graft_ds.activate() if name == "graft" else graft_ds.deactivate(), sync=dist.barrier)
         graft_ds.deactivate()
-        calls = {k: v - before.get(k, 0) for k, v in graft_ds.calls.items() if v != before.get(k, 0)}
         optimizer = engines["graft"].optimizer
-        row = {"run": f"zero{run}", "deepspeed_ms": times["deepspeed"] * 1e3, "graft_ms": times["graft"] * 1e3,
-               "ratio": times.ratio("graft", "deepspeed"),
+        row = {"run": f"zero{run}", **compared,
                "graft_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                "baseline": (f"torch AdamW (torch_adam: DeepSpeed's {build_failed})" if build_failed else
                             "DeepSpeed's default optimizer as DeepSpeed builds it: " + type(getattr(
-                                engines["deepspeed"].optimizer, "optimizer", engines["deepspeed"].optimizer)).__name__),
-               "served": calls,
-               # Same model, data and AdamW math: the losses agree up to fp32 rounding.
-               "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses["deepspeed"]))}
+                                engines["deepspeed"].optimizer, "optimizer", engines["deepspeed"].optimizer)).__name__)}
         progress(f"  deepspeed ZeRO-{run:4s} step: without graft {row['deepspeed_ms']:7.2f} ms, with graft "
                  f"{row['graft_ms']:7.2f} ms -> {row['ratio']:.2f}x ({row['graft_optimizer']}; without graft: "
                  f"{row['baseline']})")

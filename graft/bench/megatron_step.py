@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from graft.bench.timing import interleaved
+from graft.bench.timing import framework_steps
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, VOCAB, SEQ, BATCH = 64, 4, 2, 96, 2, 96, 32, 2
 
@@ -101,12 +101,7 @@ def measure(tps, rounds: int, progress=print) -> list:
             losses: dict[str, list] = {"local": [], "graft": []}
             steps = {"local": lambda: losses["local"].append(train_step(local, mask, tokens, positions, labels)),
                      "graft": lambda: losses["graft"].append(train_step(grafted, None, tokens, positions, labels))}
-            before = dict(counter.calls)
-            times = interleaved(steps, rounds=rounds, sync=dist.barrier)
-            calls = {k: v - before.get(k, 0) for k, v in counter.calls.items() if v != before.get(k, 0)}
-        row = {"tp": tp, "local_ms": times["local"] * 1e3, "graft_ms": times["graft"] * 1e3,
-               "ratio": times.ratio("graft", "local"), "served": calls,
-               "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses["local"]))}
+            row = {"tp": tp, **framework_steps(steps, losses, counter.calls, rounds, "local", sync=dist.barrier)}
         progress(f"  megatron GPTModel TP{tp} step: local spec {row['local_ms']:7.2f} ms, graft spec "
                  f"{row['graft_ms']:7.2f} ms -> {row['ratio']:.2f}x")
         rows.append(row)

@@ -53,3 +53,18 @@ def interleaved(variants: dict, rounds: int, inner: int = 1, warmup: int = 1,
                 fn()
             samples[name].append((time.perf_counter() - start) / inner)
     return Timings({name: statistics.median(values) for name, values in samples.items()}, samples)
+
+
+def framework_steps(steps: dict, losses: dict, calls: dict, rounds: int, baseline: str,
+                    before: Callable | None = None, sync: Callable | None = None) -> dict:
+    """A framework's training step with graft (``steps["graft"]``) against without it
+    (``steps[baseline]``), interleaved; each step appends its loss to ``losses[name]``.
+    Returns ``{"<baseline>_ms", "graft_ms", "ratio"`` (graft / baseline, median of per-round
+    ratios), ``"served"`` (what changed in ``calls``, an integration counter's dict, over the
+    timed steps) and ``"max_loss_diff"}`` (the same model and data: only rounding may differ)."""
+    start = dict(calls)
+    times = interleaved(steps, rounds=rounds, before=before, sync=sync)
+    return {f"{baseline}_ms": times[baseline] * 1e3, "graft_ms": times["graft"] * 1e3,
+            "ratio": times.ratio("graft", baseline),
+            "served": {k: v - start.get(k, 0) for k, v in calls.items() if v != start.get(k, 0)},
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses[baseline]))}

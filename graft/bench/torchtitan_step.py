@@ -266,7 +266,7 @@ def measure(tps, rounds: int, progress=print) -> list:
     import torch.distributed as dist
 
     from graft.adapters.torchtitan.integration import counter
-    from graft.bench.timing import interleaved
+    from graft.bench.timing import framework_steps
 
     rows = []
     for tp in tps:
@@ -278,12 +278,8 @@ def measure(tps, rounds: int, progress=print) -> list:
         def stepper(name):
             return lambda: losses[name].append(jobs[name].step(*data).item())
 
-        before = dict(counter.calls)
-        times = interleaved({name: stepper(name) for name in jobs}, rounds=rounds, sync=dist.barrier)
-        calls = {k: v - before.get(k, 0) for k, v in counter.calls.items() if v != before.get(k, 0)}
-        row = {"tp": tp, "torchtitan_ms": times["torchtitan"] * 1e3, "graft_ms": times["graft"] * 1e3,
-               "ratio": times.ratio("graft", "torchtitan"), "served": calls,
-               "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses["torchtitan"]))}
+        row = {"tp": tp, **framework_steps({name: stepper(name) for name in jobs}, losses, counter.calls, rounds,
+                                          "torchtitan", sync=dist.barrier)}
         progress(f"  torchtitan Llama3 debug step, FSDP{2 // tp}{f' TP{tp}' if tp > 1 else ''}: TorchTitan "
                  f"{row['torchtitan_ms']:7.2f} ms, with graft {row['graft_ms']:7.2f} ms -> {row['ratio']:.2f}x")
         rows.append(row)
