@@ -175,8 +175,9 @@ class Engine:
 # Not passed to the engines: Triton's interpreter (the test suite's conftest sets it) makes graft
 # select its Triton kernels and run them interpreted on the CPU, about 1000x slower: a decode
 # round in the CI took over 14 minutes instead of seconds. A throughput bench measures compiled code.
-# GRAFT_TUNING_TABLE: only the tuned variants read a table, the one --tuning-table names.
-DROPPED = ("TRITON_INTERPRET", "GRAFT_TUNING_TABLE")
+# Each with what the bench says when it finds one set.
+DROPPED = {"TRITON_INTERPRET": "Triton's interpreter is not a throughput measurement",
+           "GRAFT_TUNING_TABLE": "only the tuned variants read a table, the one --tuning-table names"}
 
 
 def engine_env(variant: str, options: dict, cpus: str = "nobind", tuning_table: str | None = None) -> dict:
@@ -395,11 +396,9 @@ def run(args) -> int:
         print(line, flush=True)
 
     started = time.perf_counter()
-    why_dropped = {"TRITON_INTERPRET": "Triton's interpreter is not a throughput measurement",
-                   "GRAFT_TUNING_TABLE": "only the tuned variants read a table, the one --tuning-table names"}
-    for name in DROPPED:
+    for name, why in DROPPED.items():
         if os.environ.get(name, "0") not in ("", "0"):
-            progress(f"vllm: {name}={os.environ[name]} is not passed to the engines ({why_dropped[name]})")
+            progress(f"vllm: {name}={os.environ[name]} is not passed to the engines ({why})")
     progress(f"vllm: building the model in {model_dir} (once)")
     build_model(model_dir)
     import vllm as vllm_module
