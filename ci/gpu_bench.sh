@@ -105,30 +105,50 @@ else
     echo "== BENCH_DEVICE=$DEVICE: the script's logic without a GPU (timings mean nothing)"
 fi
 
-# What the total leaves: the outer timeout (a hang guard; SIGTERM makes the benchmark write its
-# report, marking the case it was in as killed; SIGKILL 10 s later) and, inside it, the case
-# budget (a case starts only when its family's longest case so far still fits).
-LIMIT=$((TOTAL_S - (SECONDS - START) - 10))
-BUDGET=${BENCH_BUDGET_S:-$((LIMIT - 30))}
-if [ "$LIMIT" -le 30 ]; then
-    echo "ci/gpu_bench.sh: FAILED: BENCH_TOTAL_S=$TOTAL_S leaves ${LIMIT}s for the cases after the install" >&2
-    exit 1
-fi
-echo "== benchmark: ${BUDGET}s of cases, stopped at ${LIMIT}s (script total ${TOTAL_S}s)"
 # Compiled Triton on the GPU; on the CPU only the interpreter runs it.
 if [ "$DEVICE" = cpu ]; then export TRITON_INTERPRET=1; else export TRITON_INTERPRET=0; fi
 export GRAFT_CHECK_VALUES=0
-# In the background with the signal forwarded: timeout(1) runs the benchmark in its own process
-# group, so a SIGTERM to this script's group (a cancelled CI job) would otherwise miss it.
-# shellcheck disable=SC2086
-timeout -k 10 "$LIMIT" "$PY" -m graft.kernels.bench --device "$DEVICE" --budget-s "$BUDGET" \
-    --out "${BENCH_OUT:-benchmarks}" ${BENCH_ARGS:-} &
-bench=$!
-trap 'kill -TERM "$bench" 2>/dev/null || true' TERM INT
+
+# What the total leaves: the outer timeout (a hang guard; SIGTERM makes the benchmark write its
+# report, marking the case it was in as killed; SIGKILL 10 s later) and, inside it, the case
+# budget (a case starts only when its family's longest case so far still fits). A benchmark
+# process that lost its device (a sticky CUDA error, a hung case) exits 75 after writing its
+# report; it is started again with --resume while time is left, keeping what finished.
+RESUME=""
+bench=""
+CASES_START=$SECONDS
+trap '[ -n "$bench" ] && kill -TERM "$bench" 2>/dev/null || true' TERM INT
 while :; do
-    status=0
-    wait "$bench" || status=$?
-    kill -0 "$bench" 2>/dev/null || break  # ended (else: a forwarded signal interrupted the wait)
+    LIMIT=$((TOTAL_S - (SECONDS - START) - 10))
+    if [ -n "${BENCH_BUDGET_S:-}" ]; then BUDGET=$((BENCH_BUDGET_S - (SECONDS - CASES_START)))
+    else BUDGET=$((LIMIT - 30))
+    fi
+    if [ "$LIMIT" -le 30 ] || { [ -n "$RESUME" ] && [ "$BUDGET" -le 0 ]; }; then
+        if [ -n "$RESUME" ]; then
+            echo "ci/gpu_bench.sh: no time left to resume (${LIMIT}s); the report holds every finished case" >&2
+            exit 75
+        fi
+        echo "ci/gpu_bench.sh: FAILED: BENCH_TOTAL_S=$TOTAL_S leaves ${LIMIT}s for the cases after the install" >&2
+        exit 1
+    fi
+    echo "== benchmark${RESUME:+ (resumed)}: ${BUDGET}s of cases, stopped at ${LIMIT}s (script total ${TOTAL_S}s)"
+    # In the background with the signal forwarded: timeout(1) runs the benchmark in its own process
+    # group, so a SIGTERM to this script's group (a cancelled CI job) would otherwise miss it.
+    # shellcheck disable=SC2086
+    timeout -k 10 "$LIMIT" "$PY" -m graft.kernels.bench --device "$DEVICE" --budget-s "$BUDGET" \
+        --out "${BENCH_OUT:-benchmarks}" $RESUME ${BENCH_ARGS:-} &
+    bench=$!
+    while :; do
+        status=0
+        wait "$bench" || status=$?
+        kill -0 "$bench" 2>/dev/null || break  # ended (else: a forwarded signal interrupted the wait)
+    done
+    if [ "$status" -eq 75 ]; then
+        echo "== the benchmark process lost its device (see the case above); resuming in a new process"
+        RESUME=--resume
+        continue
+    fi
+    break
 done
 if [ "$status" -eq 124 ] || [ "$status" -eq 143 ]; then
     echo "ci/gpu_bench.sh: stopped after ${LIMIT}s; the report in ${BENCH_OUT:-benchmarks} holds every finished case" >&2

@@ -137,31 +137,41 @@ def read_shapes(path: str) -> list:
     return shapes
 
 
-def make_args(entry: dict, device, gen: torch.Generator) -> tuple:
-    """The arguments of one shape entry, as tensors on ``device`` (seeded)."""
+def make_args(entry: dict, device, gen: torch.Generator | None) -> tuple:
+    """The arguments of one shape entry, as tensors on ``device``, drawn there from ``gen``
+    (seeded; a generator of that device): a GPU's large weights are not made on the host.
+    On ``meta`` (shapes only, ``gen`` None) nothing is drawn or allocated."""
+    device = torch.device(device)
     dtype = _dtype(entry.get("dtype", "float32"))
     args = []
     for arg in entry["args"]:
         if isinstance(arg, dict) and "shape" in arg:
             shape = [int(d) for d in arg["shape"]]
             t_dtype = _dtype(arg["dtype"]) if "dtype" in arg else dtype
-            if t_dtype.is_floating_point:
-                t = torch.randn(shape, generator=gen)
+            if device.type == "meta":
+                t = torch.empty(shape, dtype=t_dtype, device=device)
+            elif t_dtype.is_floating_point:
+                t = torch.randn(shape, generator=gen, device=device)
                 if arg.get("softmax"):
                     t = t.softmax(dim=-1)
                 t = t.to(t_dtype)
             else:
                 high = int(arg.get("high", 2))
                 if t_dtype == torch.int32 and len(shape) == 2 and arg.get("high") and shape[-1] <= high:
-                    t = torch.stack([torch.randperm(high, generator=gen)[: shape[-1]] for _ in range(shape[0])]) \
-                        if shape[0] else torch.empty(shape, dtype=torch.int64)  # distinct ids per row (top-k)
+                    # distinct ids per row (top-k): the first k of a random order of all ids
+                    t = torch.rand(shape[0], high, generator=gen, device=device).argsort(dim=-1)[:, : shape[-1]]
                 else:
-                    t = torch.randint(0, high, shape, generator=gen)
+                    t = torch.randint(0, high, shape, generator=gen, device=device)
                 t = t.to(t_dtype)
-            args.append(t.to(device))
+            args.append(t)
         else:
             args.append(arg)
     return tuple(args)
+
+
+def generator(device, seed: int = 0) -> torch.Generator:
+    """A seeded generator on ``device`` (what :func:`make_args` draws from)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -214,7 +224,7 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
 
     op, dtype = entry["op"], _dtype(entry.get("dtype", "float32"))
     spec = registry.op(op)
-    args = make_args(entry, device, torch.Generator().manual_seed(seed))
+    args = make_args(entry, device, generator(device, seed))
     spec.validate(*args) if spec.validate is not None else None
     usable, rejected = _candidates(registry, op, device, dtype, args)
     ref = spec.reference(*args)
@@ -378,8 +388,7 @@ def run(args) -> int:
     started, measured = time.perf_counter(), 0
     todo = shapes
     for i, s in enumerate(todo, 1):
-        gen = torch.Generator().manual_seed(0)
-        key = (s["op"], tuning.dtype_name(_dtype(s.get("dtype", "float32"))), tuning.bucket(s["op"], make_args(s, "cpu", gen)))
+        key = (s["op"], tuning.dtype_name(_dtype(s.get("dtype", "float32"))), tuning.bucket(s["op"], make_args(s, "meta", None)))
         if key in done:
             print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: in {out} already (resumed)", flush=True)
             continue

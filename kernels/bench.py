@@ -45,6 +45,13 @@ far still fits ``--budget-s`` (the rest are recorded as skipped). The report hol
 plan from the start (``pending`` until run) and is rewritten after every case, by write and
 rename; SIGTERM/SIGINT mark the case in flight ``killed`` and write it before exiting.
 Writes ``kernels-<tag>.json`` and ``.html``; ``--dry-run`` prints the plan.
+
+A case that breaks the process cannot take the rest of the run with it: a sticky device error
+(an illegal address poisons the CUDA context for every later case) or a case still running
+after ``--case-timeout-s`` (a hung kernel) is recorded (error / killed, with the reason), the
+report written, and the process exits with :data:`EXIT_RESUME`; ``ci/gpu_bench.sh`` then
+starts it again with ``--resume``, which keeps every finished case of the report and runs
+the rest.
 """
 from __future__ import annotations
 
@@ -57,8 +64,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 LLAMA_8B_NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -92,6 +100,8 @@ INT_MM_MIN_M = 17  # torch._int_mm (cuBLASLt / hipBLASLt int8) refuses M <= 16
 DENSE_MOE_MAX_FLOPS = 2e14  # the dense all-experts baseline past this takes seconds per call
 BASELINE_MAX_BYTES = 16 << 30  # skip a baseline whose extra inputs would take more memory
 TARGET_GRAPH_S = 2e-3  # calls per captured graph: about this long per replay
+EXIT_RESUME = 75  # EX_TEMPFAIL: this process can go no further, a new one (--resume) can
+FINISHED = ("ok", "error", "killed")  # statuses --resume keeps (a killed case is not tried twice)
 
 
 @dataclass
@@ -673,6 +683,21 @@ def _clock(device):
     return lambda: time.perf_counter() - t0
 
 
+def context_lost(device) -> str | None:
+    """Why the device can run nothing more in this process (None: it can). A CUDA error such
+    as an illegal address is sticky: every later call in the process fails with it."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+    except Exception as exc:  # noqa: BLE001 - any failure here means the context is gone
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None
+
+
 def prepare(fn, device, use_graphs: bool, warmup: int = 2):
     """Warm ``fn`` up and return ``(run, inner, mode, output)``: ``run()`` performs ``inner``
     calls (one CUDA graph replay when capture works, else eagerly)."""
@@ -952,6 +977,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the CPU or an unlisted GPU)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the cases in run order (tier, roofline) and exit: nothing is built or timed")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the finished cases (ok, error, killed) of the report already in --out for this "
+                             "tag and run the rest (what ci/gpu_bench.sh does after a lost device context)")
+    parser.add_argument("--case-timeout-s", type=float, default=120.0,
+                        help=f"a case still running after this many seconds is recorded as killed and the process "
+                             f"exits with {EXIT_RESUME} so that a --resume run goes on without it (a hung kernel)")
 
 
 def roofline_target(gpu_name: str | None) -> str | None:
@@ -975,12 +1006,50 @@ def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
     raise _Stopped(signal.Signals(signum).name)
 
 
+def restore_finished(results: list, path: str, env: dict) -> int:
+    """Put the finished results of the report at ``path`` (same plan: matched by family and
+    name) into ``results``; returns how many. No report: nothing kept."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        return 0
+    env["resumed"] = int(old.get("environment", {}).get("resumed", 0)) + 1
+    names = {f.name for f in fields(Result)}
+    finished = {(d["family"], d["name"]): d for d in old.get("results", []) if d.get("status") in FINISHED}
+    kept = 0
+    for i, r in enumerate(results):
+        d = finished.get((r.family, r.name))
+        if d is not None:
+            results[i] = Result(**{k: v for k, v in d.items() if k in names})
+            kept += 1
+    return kept
+
+
+def _on_hung_case(r: Result, results: list, env: dict, args, tag: str) -> None:
+    """Watchdog (another thread): the case is still running after ``--case-timeout-s``;
+    record it as killed and end the process (a hung kernel cannot be interrupted)."""
+    r.status = "killed"
+    r.note = (f"still running after --case-timeout-s {args.case_timeout_s:.0f}s (a hung kernel?): "
+              f"the rest run in a new process (--resume)")
+    for _ in range(3):  # the main thread may be changing the result as it is written
+        try:
+            write_reports(results, env, args.out, tag)
+            break
+        except RuntimeError:
+            time.sleep(0.05)
+    print(f"case {r.family}/{r.name} {r.note}; exiting with {EXIT_RESUME}", flush=True)
+    os._exit(EXIT_RESUME)
+
+
 def _progress(i: int, total: int, elapsed: float, r: Result) -> str:
     ratios = ", ".join(f"{p} {v:.2f}x" for p, v in r.ratios.items()) or r.note[:120]
     roof = r.roofline or {}
     best = max((v for k, v in roof.get("fraction", {}).items() if k.startswith("graft")), default=None)
     limit = f"; ideal {_fmt_s(roof['ideal_s'])}, graft at {_pct(best)} of it" if best is not None else ""
-    return f"[{i}/{total} {elapsed:5.0f}s] {r.status:5} {r.family}/{r.name}: {ratios}{limit}"
+    diffs = [v for v in r.value_check.values() if v is not None]
+    diff = f"; max rel diff vs baseline {max(diffs):.1e}" if diffs else ""
+    return f"[{i}/{total} {elapsed:5.0f}s] {r.status:5} {r.family}/{r.name}: {ratios}{limit}{diff}"
 
 
 def run(args) -> int:
@@ -1026,16 +1095,19 @@ def run(args) -> int:
     # The whole plan is in the report from the start: a run killed at any point shows what it
     # measured, what it was in the middle of and what it never reached.
     results = [new_result(case, target, "pending") for case in cases]
+    if args.resume:
+        kept = restore_finished(results, os.path.join(args.out, f"kernels-{tag}.json"), env)
+        print(f"resuming: {kept} finished case(s) kept from the report, {len(results) - kept} to run", flush=True)
     write_reports(results, env, args.out, tag)
     longest: dict = {}  # family -> its longest case so far (seconds): whether the next one fits
     start = time.perf_counter()
-    import threading
-
     main_thread = threading.current_thread() is threading.main_thread()  # handlers can only be set there
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     current = None
     try:
         for i, (case, r) in enumerate(zip(cases, results), 1):
+            if r.status in FINISHED:  # kept by --resume
+                continue
             elapsed = time.perf_counter() - start
             expected = longest.get(case.family, max(longest.values(), default=0.0))
             if elapsed + expected > args.budget_s:
@@ -1044,11 +1116,26 @@ def run(args) -> int:
                           f"takes up to {expected:.0f}s")
                 continue
             current = r
-            run_case(case, device, dtype, not args.no_graphs, args.rounds, target, result=r)
+            watchdog = threading.Timer(args.case_timeout_s, _on_hung_case, (r, results, env, args, tag))
+            watchdog.daemon = True
+            watchdog.start()
+            try:
+                run_case(case, device, dtype, not args.no_graphs, args.rounds, target, result=r)
+            finally:
+                watchdog.cancel()
             current = None
             longest[case.family] = max(longest.get(case.family, 0.0), r.seconds)
+            lost = context_lost(device)
+            if lost:
+                r.status = "error"
+                r.note = (f"{r.note + '; ' if r.note else ''}the device context was lost in this case ({lost}): "
+                          f"the rest run in a new process (--resume)")
             write_reports(results, env, args.out, tag)  # after every case: a killed run still leaves its results
             print(_progress(i, len(cases), elapsed, r), flush=True)
+            if lost:
+                print(f"device context lost in {case.family}/{case.name}: exiting with {EXIT_RESUME} "
+                      f"so that a --resume run goes on", flush=True)
+                return EXIT_RESUME
     except _Stopped as stop:
         for sig in previous:  # a second signal (timeout and a process-group kill) must not cut the report short
             signal.signal(sig, signal.SIG_IGN)

@@ -166,3 +166,53 @@ def test_plan_order_baselines_and_roofline(tmp_path):
             assert r["roofline"]["fraction"][label] == pytest.approx(ideal / t["median_s"])
     assert bench.roofline_target("NVIDIA H200") == "h200" and bench.roofline_target("AMD Instinct MI300X") == "mi300x"
     assert bench.roofline_target("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_a_lost_device_context_ends_the_process_and_resume_runs_the_rest(tmp_path, monkeypatch):
+    """A sticky device error after a case (simulated: the check that follows every case says
+    the context is gone) ends the process with EXIT_RESUME after recording that case as an
+    error with the reason; --resume keeps every finished case and runs only the rest."""
+    from graft.kernels import bench
+
+    args = ["--device", "cpu", "--quick", "--backends", "torch", "--rounds", "1", "--out", str(tmp_path),
+            "--tag", "t", "--families", "fused"]
+    names = [c.name for c in bench.all_cases(["fused"], True, {"torch"})]
+    lose_after = names[1]
+    monkeypatch.setattr(bench, "context_lost", lambda device: "CUDA error: an illegal memory access" if lose_after in ran else None)
+    ran: list = []
+    real_run_case = bench.run_case
+    monkeypatch.setattr(bench, "run_case", lambda case, *a, **k: ran.append(case.name) or real_run_case(case, *a, **k))
+    assert bench.main(args) == bench.EXIT_RESUME
+    results = {r["name"]: r for r in json.loads((tmp_path / "kernels-t.json").read_text())["results"]}
+    assert ran == names[:2]
+    assert results[names[0]]["status"] == "ok"
+    assert results[lose_after]["status"] == "error" and "device context was lost" in results[lose_after]["note"]
+    assert "illegal memory access" in results[lose_after]["note"]
+    assert all(results[n]["status"] == "pending" for n in names[2:])
+
+    ran.clear()
+    monkeypatch.setattr(bench, "context_lost", lambda device: None)
+    assert bench.main(args + ["--resume"]) == 0
+    data = json.loads((tmp_path / "kernels-t.json").read_text())
+    results = {r["name"]: r for r in data["results"]}
+    assert ran == names[2:], "finished cases must not run again"
+    assert results[lose_after]["status"] == "error" and all(results[n]["status"] == "ok" for n in names[2:])
+    assert data["environment"]["resumed"] == 1
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_case_is_killed_and_the_script_resumes_without_it(tmp_path):
+    """A case still running after --case-timeout-s (here every case: 400 rounds of a few ms, a
+    0.5 s watchdog) is recorded as killed and its process exits; the script starts a new one
+    with --resume each time, so every case is tried once and the run ends with a full report."""
+    args = "--quick --backends torch --rounds 400 --tag t --families fused --match rms_norm --case-timeout-s 0.5"
+    proc = subprocess.run(["bash", str(ROOT / "ci/gpu_bench.sh")], capture_output=True, text=True, timeout=540,
+                          env=_script_env(tmp_path, sys.executable, args))
+    out = proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "out/kernels-t.json").read_text())
+    statuses = [r["status"] for r in data["results"]]
+    assert statuses and set(statuses) == {"killed"}, (statuses, out[-3000:])
+    assert all("--case-timeout-s" in r["note"] for r in data["results"])
+    assert out.count("resuming in a new process") == len(statuses), out[-3000:]
+    assert data["environment"]["resumed"] == len(statuses)
+    assert proc.returncode == 1, out[-3000:]  # nothing finished ok
