@@ -86,7 +86,11 @@ def _fp8_kernel(
             ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok & ((cols * 0 + k0) < K), other=0.0)
             acc += tl.dot(a, b, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
         else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+            # Hopper's fp8 MMA adds into its accumulator with ~14 mantissa bits; Triton's sm_90
+            # default lets that run over the whole K (2**30). Promote to the fp32 accumulator
+            # every K step instead, as the block-scaled path does by construction (and as
+            # cuBLAS's _scaled_mm does without fast accumulation).
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         x_ptrs += x_step
         w_ptrs += w_step
     if not BLOCKWISE:
