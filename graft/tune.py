@@ -99,6 +99,9 @@ def model_shapes(cfg: dict, tokens, dtype: torch.dtype) -> list:
     def add(op, *args):
         out.append({"op": op, "dtype": name, "args": list(args)})
 
+    def weight(*shape):  # random normal / sqrt(fan-in): unit-sized outputs, as in a trained model
+        return {"shape": list(shape), "scale": 1.0 / math.sqrt(shape[-1])}
+
     for t in tokens:
         x = {"shape": [t, hidden]}
         add("fused.rms_norm", x, {"shape": [hidden]}, float(cfg.get("rms_norm_eps", 1e-6)), None)
@@ -106,16 +109,16 @@ def model_shapes(cfg: dict, tokens, dtype: torch.dtype) -> list:
         add("fused.rotary_embedding", {"shape": [t], "dtype": "int64", "high": max_pos},
             {"shape": [t, heads * head_dim]}, {"shape": [t, kv_heads * head_dim]}, head_dim,
             {"shape": [max_pos, head_dim]}, True)
-        add("gemm.linear", x, {"shape": [(heads + 2 * kv_heads) * head_dim, hidden]}, None, "none")
-        add("gemm.linear", {"shape": [t, heads * head_dim]}, {"shape": [hidden, heads * head_dim]}, None, "none")
+        add("gemm.linear", x, weight((heads + 2 * kv_heads) * head_dim, hidden), None, "none")
+        add("gemm.linear", {"shape": [t, heads * head_dim]}, weight(hidden, heads * head_dim), None, "none")
         if experts:
-            add("moe.fused_experts", x, {"shape": [experts, 2 * inter, hidden]}, {"shape": [experts, hidden, inter]},
+            add("moe.fused_experts", x, weight(experts, 2 * inter, hidden), weight(experts, hidden, inter),
                 {"shape": [t, top_k], "softmax": True, "dtype": "float32"},
                 {"shape": [t, top_k], "dtype": "int32", "high": experts}, "silu")
         else:
             add("fused.silu_and_mul", {"shape": [t, 2 * inter]})
-            add("gemm.linear", x, {"shape": [2 * inter, hidden]}, None, "none")
-            add("gemm.linear", {"shape": [t, inter]}, {"shape": [hidden, inter]}, None, "none")
+            add("gemm.linear", x, weight(2 * inter, hidden), None, "none")
+            add("gemm.linear", {"shape": [t, inter]}, weight(hidden, inter), None, "none")
     return out
 
 
@@ -152,6 +155,8 @@ def make_args(entry: dict, device, gen: torch.Generator | None) -> tuple:
                 t = torch.empty(shape, dtype=t_dtype, device=device)
             elif t_dtype.is_floating_point:
                 t = torch.randn(shape, generator=gen, device=device)
+                if "scale" in arg:
+                    t *= float(arg["scale"])
                 if arg.get("softmax"):
                     t = t.softmax(dim=-1)
                 t = t.to(t_dtype)

@@ -52,8 +52,10 @@ Recorded shapes (what ``graft tune --shapes FILE`` reads; a profile can write th
                           {"shape": [16, 128]}, 64, {"shape": [4096, 64]}, true]}]}
 
 Each argument is a literal (number, bool, string, null) or a tensor ``{"shape": [...],
-"dtype": ..., "high": N}``: floating tensors are random normal in the entry's ``dtype``
-unless ``dtype`` says otherwise; integer tensors are random in ``[0, high)``.
+"dtype": ..., "high": N, "scale": S}``: floating tensors are random normal times ``scale``
+(default 1; a weight's is 1/sqrt(fan-in), so that outputs stay near unit size as in a
+trained model and a candidate's rounding is judged on values of that size) in the entry's
+``dtype`` unless ``dtype`` says otherwise; integer tensors are random in ``[0, high)``.
 """
 from __future__ import annotations
 

@@ -422,3 +422,24 @@ def test_tune_keeps_the_framework_where_its_code_cannot_be_measured(tmp_path, fr
         assert tuning.graft_wanted(OP) is None
     finally:
         framework_backend.disable(FW)
+
+
+def test_tune_draws_weights_at_their_fan_in_scale_on_the_device(device):
+    """A model's weights are drawn as random normal / sqrt(fan-in) (unit-sized outputs, as in
+    a trained model: with unscaled weights a MoE layer's outputs reach 1e5 and bf16 rounding
+    fails candidates that are right), on the measuring device; shapes alone (meta) for keys."""
+    from graft import tune
+
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+    shapes = tune.model_shapes(cfg, (8,), torch.float32)
+    moe = next(s for s in shapes if s["op"] == "moe.fused_experts")
+    x, w13, w2 = tune.make_args(moe, device, tune.generator(device))[:3]
+    assert x.device.type == w13.device.type == device.type
+    assert abs(float(x.std()) - 1.0) < 0.1
+    assert abs(float(w13.std()) * 64 ** 0.5 - 1.0) < 0.05 and abs(float(w2.std()) * 96 ** 0.5 - 1.0) < 0.05
+    meta = tune.make_args(moe, "meta", None)
+    assert all(t.device.type == "meta" for t in meta[:5])
+    assert tuning.bucket("moe.fused_experts", meta) == tuning.bucket("moe.fused_experts", tune.make_args(moe, device, tune.generator(device)))
+    ids = tune.make_args(moe, device, tune.generator(device))[4]
+    assert all(len(set(row.tolist())) == 2 for row in ids)  # distinct experts per token
