@@ -84,6 +84,7 @@ SLOW_MODULES = {
     "test_triton36.py": "kernel tests again under Triton 3.6 (26 s)",
     "test_triton_aot.py": "ahead-of-time compiles for sm_90 and gfx942 (20 s)",
     "test_gpu_bench_script.py": "the GPU script run on a fake device (15 s)",
+    "test_gpu_lease_script.py": "the whole GPU lease script run on the CPU (25 s)",
     "test_vllm_cpu_platform.py": "vLLM's CPU platform in its own venv (14 s)",
     "test_packaging.py": "wheel builds and import scans (14 s)",
 }
