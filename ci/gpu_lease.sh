@@ -6,6 +6,8 @@
 #      copy bandwidth, an 8192^3 bf16 matmul rate) -> env.json;
 #   2. ci/gpu_bench.sh: graft's kernels vs the library baselines they replace, with roofline
 #      (issue 24) -> kernels-<gpu>.json/.html;
+#   2b. the tile sweep: graft's GEMM launchers under candidate rows of the tile table, where
+#      the benchmark found them far from the library -> tile-sweep-<gpu>.json;
 #   3. graft tune on a Llama-3-8B-like and a Mixtral-8x7B-like config (benchmarks/tuning/),
 #      one table for both (issue 21) -> tuning-<gpu>.json;
 #   4. the kernel numerics tests on the GPU, Triton compiled (not interpreted) -> numerics.log;
@@ -94,7 +96,7 @@ PYEOF
 phase_status+=("environment: exit ${PIPESTATUS[0]}")
 
 # ---------------------------------------------------------------- 2. kernel benchmark
-BENCH_S=$(( $(left) * 48 / 100 ))
+BENCH_S=$(( TOTAL_S * 30 / 100 ))
 say "== 2. kernel benchmark (ci/gpu_bench.sh, ${BENCH_S}s)"
 if [ "$DEVICE" = cpu ]; then bench_args="--quick --backends torch,triton --rounds 1 --tag cpu-lease --families fused,gemm --match _m1_"
 else bench_args="--backends triton"
@@ -104,12 +106,20 @@ PYTHON="$PY" BENCH_DEVICE="$DEVICE" BENCH_TOTAL_S="$BENCH_S" BENCH_OUT="$OUT_DIR
 phase_status+=("kernel benchmark: exit ${PIPESTATUS[0]}")
 
 # From here graft is installed (the benchmark script's guard did it when it was not).
-if ! (cd / && "$PY" -c "import graft" 2>/dev/null); then
+if ! (cd / && "$PY" -c "import graft.kernels" 2>/dev/null); then
     export PYTHONPATH="$ROOT:$ROOT/build/gpu-bench-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+# ---------------------------------------------------------------- 2b. tile sweep
+SWEEP_S=$(( TOTAL_S * 17 / 100 ))
+say "== 2b. tile sweep (${SWEEP_S}s)"
+if [ "$DEVICE" = cpu ]; then sweep_args=(--quick --rounds 2 --tag cpu-lease); else sweep_args=(); fi
+(cd / && timeout -k 5 "$SWEEP_S" "$PY" -m graft.kernels.tile_sweep \
+    --device "$DEVICE" --out "$OUT_DIR" --budget-s $((SWEEP_S - 25)) "${sweep_args[@]}") 2>&1 | tee -a "$LOG"
+phase_status+=("tile sweep: exit ${PIPESTATUS[0]}")
+
 # ---------------------------------------------------------------- 3. graft tune
-TUNE_S=$(( $(left) * 45 / 100 ))
+TUNE_S=$(( TOTAL_S * 12 / 100 ))
 if [ "$DEVICE" = cpu ]; then
     TABLE="$OUT_DIR/tuning-cpu-lease.json"
     models=(benchmarks/tuning/tiny-llama)
@@ -130,7 +140,7 @@ for model in "${models[@]}"; do
 done
 
 # ---------------------------------------------------------------- 4. numerics on the device
-TESTS_S=$(( ($(left) - 15) * 6 / 10 ))
+TESTS_S=$(( TOTAL_S * 20 / 100 )); if [ "$TESTS_S" -gt $(( $(left) - 15 )) ]; then TESTS_S=$(( $(left) - 15 )); fi
 if [ "$TESTS_S" -gt 30 ]; then
     say "== 4. kernel numerics tests on $DEVICE (${TESTS_S}s; the rest of the time)"
     if [ "$DEVICE" = cpu ]; then tests=(tests/test_fused.py -k "rms_norm and not compile"); workers=()

@@ -216,3 +216,39 @@ def test_a_hung_case_is_killed_and_the_script_resumes_without_it(tmp_path):
     assert out.count("resuming in a new process") == len(statuses), out[-3000:]
     assert data["environment"]["resumed"] == len(statuses)
     assert proc.returncode == 1, out[-3000:]  # nothing finished ok
+
+
+def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
+    """The tile sweep (a GPU lease's measured table changes) on the CPU: each candidate row
+    is in place only while its launch is prepared, its output is compared with the current
+    row's, every candidate and the library baseline get medians, and the table is as before."""
+    import copy
+
+    from graft.kernels import tile_sweep
+    from graft.kernels.triton import _gemm_common as common
+
+    before = copy.deepcopy(common.TILES)
+    assert tile_sweep.main(["--device", "cpu", "--quick", "--rounds", "2", "--out", str(tmp_path), "--tag", "t"]) == 0
+    assert common.TILES == before
+    report = json.loads((tmp_path / "tile-sweep-t.json").read_text())
+    assert set(report["sweeps"]) == {name for name, _ in tile_sweep.QUICK_SWEEPS}
+    for name, rows in tile_sweep.QUICK_SWEEPS:
+        entry = report["sweeps"][name]
+        assert entry["status"] == "ok", entry
+        labels = {"current", *(tile_sweep._label(r) for r in rows)}
+        assert labels <= set(entry["candidates"]) and any(k.startswith("baseline") for k in entry["candidates"])
+        for label in labels:
+            c = entry["candidates"][label]
+            assert c["median_s"] > 0 and c["max_rel_diff_vs_current"] < 1e-3, c
+        assert entry["best"] in labels
+
+
+def test_tile_row_replaces_only_the_row_of_that_m():
+    from graft.kernels import tile_sweep
+    from graft.kernels.triton import _gemm_common as common
+
+    row = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1)
+    with tile_sweep.tile_row("hopper", 4096, row):
+        assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 16
+        assert common.base_config("hopper", 16, 2)["BLOCK_N"] == 64  # the M<=16 row is untouched
+    assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 256

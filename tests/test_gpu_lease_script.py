@@ -24,9 +24,9 @@ def test_every_phase_runs_and_leaves_its_files(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert files == {"env.json", "kernels-cpu-lease.json", "kernels-cpu-lease.html", "tuning-cpu-lease.json",
-                     "numerics.log", "lease.log"}, files
+                     "tile-sweep-cpu-lease.json", "numerics.log", "lease.log"}, files
     assert len(files) <= 8  # what a device call brings back
-    for phase in ("environment: exit 0", "kernel benchmark: exit 0", "graft tune benchmarks/tuning/tiny-llama: exit 0",
+    for phase in ("environment: exit 0", "kernel benchmark: exit 0", "tile sweep: exit 0", "graft tune benchmarks/tuning/tiny-llama: exit 0",
                   "numerics tests: exit 0"):
         assert phase in out, out[-4000:]
     log = (tmp_path / "out/lease.log").read_text()
