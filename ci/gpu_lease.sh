@@ -96,7 +96,7 @@ PYEOF
 phase_status+=("environment: exit ${PIPESTATUS[0]}")
 
 # ---------------------------------------------------------------- 2. kernel benchmark
-BENCH_S=$(( TOTAL_S * 30 / 100 ))
+BENCH_S=$(( TOTAL_S * 42 / 100 ))
 say "== 2. kernel benchmark (ci/gpu_bench.sh, ${BENCH_S}s)"
 if [ "$DEVICE" = cpu ]; then bench_args="--quick --backends torch,triton --rounds 1 --tag cpu-lease --families fused,gemm --match _m1_"
 else bench_args="--backends triton"
@@ -111,15 +111,15 @@ if ! (cd / && "$PY" -c "import graft.kernels" 2>/dev/null); then
 fi
 
 # ---------------------------------------------------------------- 2b. tile sweep
-SWEEP_S=$(( TOTAL_S * 17 / 100 ))
+SWEEP_S=$(( TOTAL_S * 14 / 100 ))
 say "== 2b. tile sweep (${SWEEP_S}s)"
 if [ "$DEVICE" = cpu ]; then sweep_args=(--quick --rounds 2 --tag cpu-lease); else sweep_args=(); fi
 (cd / && timeout -k 5 "$SWEEP_S" "$PY" -m graft.kernels.tile_sweep \
-    --device "$DEVICE" --out "$OUT_DIR" --budget-s $((SWEEP_S - 25)) "${sweep_args[@]}") 2>&1 | tee -a "$LOG"
+    --device "$DEVICE" --out "$OUT_DIR" --budget-s $((SWEEP_S - 15)) "${sweep_args[@]}") 2>&1 | tee -a "$LOG"
 phase_status+=("tile sweep: exit ${PIPESTATUS[0]}")
 
 # ---------------------------------------------------------------- 3. graft tune
-TUNE_S=$(( TOTAL_S * 12 / 100 ))
+TUNE_S=$(( TOTAL_S * 10 / 100 ))
 if [ "$DEVICE" = cpu ]; then
     TABLE="$OUT_DIR/tuning-cpu-lease.json"
     models=(benchmarks/tuning/tiny-llama)
@@ -140,12 +140,12 @@ for model in "${models[@]}"; do
 done
 
 # ---------------------------------------------------------------- 4. numerics on the device
-TESTS_S=$(( TOTAL_S * 20 / 100 )); if [ "$TESTS_S" -gt $(( $(left) - 15 )) ]; then TESTS_S=$(( $(left) - 15 )); fi
+TESTS_S=$(( TOTAL_S * 12 / 100 )); if [ "$TESTS_S" -gt $(( $(left) - 15 )) ]; then TESTS_S=$(( $(left) - 15 )); fi
 if [ "$TESTS_S" -gt 30 ]; then
     say "== 4. kernel numerics tests on $DEVICE (${TESTS_S}s; the rest of the time)"
     if [ "$DEVICE" = cpu ]; then tests=(tests/test_fused.py -k "rms_norm and not compile"); workers=()
     else
-        tests=(tests/test_attention_decode.py tests/test_attention_prefill.py tests/test_gemm_linear.py
+        tests=(tests/test_attention_decode.py tests/test_attention_prefill.py tests/test_attention_prefill_paged.py tests/test_gemm_linear.py
                tests/test_gemm_quant.py tests/test_gemm_fp8.py tests/test_gemm_splitk.py tests/test_moe.py
                tests/test_moe_fp8.py tests/test_fused.py tests/test_optim_adam.py)
         workers=(-n 8)

@@ -154,11 +154,11 @@ def test_fp8_kv_cache_matches_dequantised_reference(kernel, device, dtype, kv_dt
     _close(twice_v, 2 * decode_paged_reference(*args, **kw).float(), dtype)
 
 
-def test_fp8_kv_cache_dispatch_and_opcheck(fresh_graft, kernel):
+def test_fp8_kv_cache_dispatch_and_opcheck(fresh_graft, kernel, device):
     import graft
 
     gen = torch.Generator().manual_seed(8)
-    args, kw = make_decode_inputs([9, 20], 4, 1, 32, 8, "cpu", torch.float16, gen, kv_dtype=torch.float8_e4m3fn)
+    args, kw = make_decode_inputs([9, 20], 4, 1, 32, 8, device, torch.float16, gen, kv_dtype=torch.float8_e4m3fn)
     assert graft.select("attention.decode_paged", *args, **kw).backend == "triton"
     _close(attention.decode_paged(*args, **kw), decode_paged_reference(*args, **kw), torch.float16)
     # test_faketensor only: opcheck's schema check compares inputs with a multiply that torch
@@ -262,10 +262,10 @@ def test_negative_num_splits_rejected(fresh_graft):
         attention.decode_paged(query, kc, vc, bt, lens, num_splits=-1)
 
 
-def test_custom_op_opcheck_fake_and_compile(kernel):
+def test_custom_op_opcheck_fake_and_compile(kernel, device):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    (query, kc, vc, bt, lens), _ = _inputs([5, 19], 2, 1, 16, 8, "cpu", torch.float32)
+    (query, kc, vc, bt, lens), _ = _inputs([5, 19], 2, 1, 16, 8, device, torch.float32)
     torch.library.opcheck(kernel.decode_op, (query, kc, vc, bt, lens, 0.25, 2),
                           test_utils=("test_schema", "test_faketensor"))
     with FakeTensorMode() as mode:

@@ -52,9 +52,9 @@ def test_reference_rows_without_visible_keys_are_zero():
     torch.testing.assert_close(out[4], v[0].expand(2, 16))  # exactly one visible key
 
 
-def test_padded_layout_matches_sdpa(fresh_graft):
+def test_padded_layout_matches_sdpa(fresh_graft, device):
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 5, h, 32, generator=gen) for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, 5, h, 32, generator=gen).to(device) for h in (4, 2, 2))
     out = attention.prefill_padded(q, k, v, causal=True)
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
@@ -177,10 +177,10 @@ def test_validation_errors(fresh_graft, call, message):
         call()
 
 
-def test_custom_op_opcheck_fake_and_compile(kernel):
+def test_custom_op_opcheck_fake_and_compile(kernel, device):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    (q, k, v, cu_q, cu_k, mq, mk), _ = _inputs([3, 5], [4, 5], 2, 1, 16, True, "cpu", torch.float32)
+    (q, k, v, cu_q, cu_k, mq, mk), _ = _inputs([3, 5], [4, 5], 2, 1, 16, True, device, torch.float32)
     torch.library.opcheck(kernel.prefill_op, (q, k, v, cu_q, cu_k, mq, mk, True, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
     with FakeTensorMode() as mode:

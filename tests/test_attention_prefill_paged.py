@@ -19,9 +19,9 @@ def _close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-def _inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, dtype, causal=True, seed=0):
+def _inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, dtype, causal=True, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    return make_prefill_paged_inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, causal, "cpu", dtype,
+    return make_prefill_paged_inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, causal, device, dtype,
                                      gen)
 
 
@@ -91,49 +91,50 @@ MATRIX = [
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seqlens_q, context, heads, kv_heads, head_dim, block_size", MATRIX)
-def test_kernel_matches_reference(kernel, seqlens_q, context, heads, kv_heads, head_dim, block_size, causal):
+def test_kernel_matches_reference(kernel, device, seqlens_q, context, heads, kv_heads, head_dim, block_size, causal):
     for dtype in (torch.float32, torch.float16):
-        args, kw = _inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, dtype, causal)
+        args, kw = _inputs(seqlens_q, context, heads, kv_heads, head_dim, block_size, dtype, causal, device=device)
         _close(kernel.prefill_paged(*args, **kw), prefill_paged_reference(*args, **kw), dtype)
 
 
-def test_kernel_bf16(kernel):
-    args, kw = _inputs([5, 12], [30, 3], 4, 2, 64, 16, torch.bfloat16)
+def test_kernel_bf16(kernel, device):
+    args, kw = _inputs([5, 12], [30, 3], 4, 2, 64, 16, torch.bfloat16, device=device)
     _close(kernel.prefill_paged(*args, **kw), prefill_paged_reference(*args, **kw), torch.bfloat16)
 
 
-def test_kernel_empty_batch_and_zero_queries(kernel):
-    args, kw = _inputs([], [], 2, 1, 64, 16, torch.float32)
+def test_kernel_empty_batch_and_zero_queries(kernel, device):
+    args, kw = _inputs([], [], 2, 1, 64, 16, torch.float32, device=device)
     out = kernel.prefill_paged(*args, **kw)
     assert out.shape == (0, 2, 64)
-    args, kw = _inputs([0, 0], [5, 9], 2, 1, 64, 16, torch.float32)
+    args, kw = _inputs([0, 0], [5, 9], 2, 1, 64, 16, torch.float32, device=device)
     assert kernel.prefill_paged(*args, **kw).shape == (0, 2, 64)
 
 
-def test_kernel_reads_vllm_strided_cache_views(kernel):
+def test_kernel_reads_vllm_strided_cache_views(kernel, device):
     """vLLM 0.33's per-layer [num_blocks, kv_heads, block_size, 2 * head] cache, split into views."""
-    (q, kc, vc, bt, cu_q, lens, max_q), kw = _inputs([6, 13], [10, 21], 4, 2, 32, 8, torch.float32)
+    (q, kc, vc, bt, cu_q, lens, max_q), kw = _inputs([6, 13], [10, 21], 4, 2, 32, 8, torch.float32, device=device)
     kv = torch.cat([kc, vc], dim=-1).transpose(1, 2).contiguous()  # [NB, KVH, BS, 2D]
     key_view, value_view = kv.transpose(1, 2).split(32, dim=-1)
     assert not key_view.is_contiguous()
-    q_view = torch.randn(q.shape[0], 3 * 4, 32)[:, 4:8]  # q sliced out of a wider projection
+    q_view = torch.randn(q.shape[0], 3 * 4, 32, device=device)[:, 4:8]  # q sliced out of a wider projection
     q_view.copy_(q)
     out = kernel.prefill_paged(q_view, key_view, value_view, bt, cu_q, lens, max_q, **kw)
     _close(out, prefill_paged_reference(q, kc, vc, bt, cu_q, lens, max_q, **kw), torch.float32)
 
 
-def test_kernel_hostile_tables_and_lengths_match_reference(kernel):
+def test_kernel_hostile_tables_and_lengths_match_reference(kernel, device):
     """With the value checks off nothing is read out of bounds and the reference's result comes out:
     table entries -1 / past num_blocks skipped, seq_lens past the capacity or negative clamped."""
-    (q, kc, vc, bt, cu_q, lens, max_q), kw = _inputs([4, 9, 3], [12, 0, 30], 4, 2, 16, 4, torch.float32)
+    (q, kc, vc, bt, cu_q, lens, max_q), kw = _inputs([4, 9, 3], [12, 0, 30], 4, 2, 16, 4, torch.float32,
+                                                     device=device)
     num_blocks = kc.shape[0]
     cases = []
     table = bt.clone()
     table[0, 1], table[2, 0], table[2, 5] = -1, num_blocks, 2**31 - 1
     cases.append((table, lens))
     cases.append((torch.full_like(bt, -7), lens))  # no valid block: zero rows
-    cases.append((bt, torch.tensor([1000, -5, 33], dtype=torch.int32)))  # clamped into [0, capacity]
-    cases.append((bt, torch.tensor([2, 9, 1], dtype=torch.int32)))  # fewer keys than queries
+    cases.append((bt, torch.tensor([1000, -5, 33], dtype=torch.int32, device=device)))  # clamped into [0, capacity]
+    cases.append((bt, torch.tensor([2, 9, 1], dtype=torch.int32, device=device)))  # fewer keys than queries
     with graft.override_config(GRAFT_CHECK_VALUES="0"):
         for table, seq_lens in cases:
             got = kernel.prefill_paged(q, kc, vc, table, cu_q, seq_lens, max_q, **kw)
@@ -145,8 +146,8 @@ def test_kernel_hostile_tables_and_lengths_match_reference(kernel):
 # ----------------------------------------------------------------- dispatch, validation, custom op
 
 
-def test_dispatch_selects_triton_then_reference(fresh_graft):
-    args, kw = _inputs([5, 12], [30, 3], 4, 2, 64, 16, torch.float16)
+def test_dispatch_selects_triton_then_reference(fresh_graft, device):
+    args, kw = _inputs([5, 12], [30, 3], 4, 2, 64, 16, torch.float16, device=device)
     with graft.override_config(GRAFT_ATTENTION_PREFILL_PAGED="triton"):
         assert graft.select("attention.prefill_paged", *args, **kw).backend == "triton"
         _close(attention.prefill_paged(*args, **kw), prefill_paged_reference(*args, **kw), torch.float16)
@@ -195,10 +196,10 @@ def test_no_backward_registered(kernel):
     assert _qualname(kernel.prefill_paged_op) not in _WITH_BACKWARD  # forward only: an inference path
 
 
-def test_custom_op_opcheck_fake_and_compile(kernel):
+def test_custom_op_opcheck_fake_and_compile(kernel, device):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    (q, kc, vc, bt, cu_q, lens, max_q), _ = _inputs([3, 6], [7, 0], 2, 1, 16, 8, torch.float32)
+    (q, kc, vc, bt, cu_q, lens, max_q), _ = _inputs([3, 6], [7, 0], 2, 1, 16, 8, torch.float32, device=device)
     torch.library.opcheck(kernel.prefill_paged_op, (q, kc, vc, bt, cu_q, lens, max_q, True, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
     with FakeTensorMode() as mode:

@@ -15,6 +15,15 @@ TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=2e-2
        torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
+def _tol(out_dtype, device):
+    """TOL, but on a GPU fp8 tensor-core MMAs accumulate inside one K block in about 14 mantissa
+    bits (Hopper; DeepSeek-V3 report, section 3.3.2), not fp32: 1.6e-3 absolute seen at fp32
+    output on an H200. The CPU interpreter accumulates in fp32: TOL there."""
+    if torch.device(device).type == "cpu":
+        return TOL[out_dtype]
+    return {key: max(value, 2e-3) for key, value in TOL[out_dtype].items()}
+
+
 def _inputs(m, n, k, scales, seed=0, dtype=FP8):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen)
@@ -58,16 +67,17 @@ def test_fp8_matches_reference(m, n, k, scales, out_dtype, device):
     b = torch.randn(n).to(device, out_dtype) if m % 2 else None
     y = G.fp8(x_q, w_q, xs, ws, b, out_dtype)
     assert y.dtype == out_dtype and y.shape == (m, n)
-    torch.testing.assert_close(y.float(), G.fp8_reference(x_q, w_q, xs, ws, b, out_dtype).float(), **TOL[out_dtype])
+    ref = G.fp8_reference(x_q, w_q, xs, ws, b, out_dtype)
+    torch.testing.assert_close(y.float(), ref.float(), **_tol(out_dtype, device))
 
 
 @pytest.mark.parametrize("scales", ["tensor", "row", "block"])
-def test_fp8_split_k_and_strided(scales):
+def test_fp8_split_k_and_strided(scales, device):
     from graft.kernels.triton import gemm_fp8
 
-    x_q, w_q, xs, ws = _args(3, 40, 520, scales, seed=3)
+    x_q, w_q, xs, ws = (t.to(device) for t in _args(3, 40, 520, scales, seed=3))
     blockwise = G.fp8_blockwise(x_q, w_q, xs, ws)
-    cfg = gemm_fp8.plan(3, 40, 520, "cpu", blockwise, split_k=3)
+    cfg = gemm_fp8.plan(3, 40, 520, device, blockwise, split_k=3)
     assert cfg["SPLIT_K"] == 3
     orig = gemm_fp8.plan
     try:
@@ -75,10 +85,11 @@ def test_fp8_split_k_and_strided(scales):
         y = gemm_fp8._fp8(x_q, w_q, xs, ws, None, torch.float32)
     finally:
         gemm_fp8.plan = orig
-    torch.testing.assert_close(y, G.fp8_reference(x_q, w_q, xs, ws, None, torch.float32), **TOL[torch.float32])
+    tol = _tol(torch.float32, device)
+    torch.testing.assert_close(y, G.fp8_reference(x_q, w_q, xs, ws, None, torch.float32), **tol)
     wt = w_q.t().contiguous().t()  # column-major weight view
     torch.testing.assert_close(G.fp8(x_q, wt, xs, ws, None, torch.float32),
-                               G.fp8_reference(x_q, w_q, xs, ws, None, torch.float32), **TOL[torch.float32])
+                               G.fp8_reference(x_q, w_q, xs, ws, None, torch.float32), **tol)
 
 
 def test_fp8_fnuz_and_empty(device):

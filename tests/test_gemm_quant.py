@@ -86,18 +86,20 @@ def test_w8a8_int32_accumulation_is_exact(device):
     one = torch.ones(1, device=device)
     scale = torch.tensor([2.0**-20], device=device)  # keeps |y| in fp16 range, exact power of two
     y = G.w8a8(x_q, w_q, scale, one, None, torch.float16)
-    exact = (x_q.long() @ w_q.long().t()).double() * 2.0**-20
-    torch.testing.assert_close(y.double(), exact.to(torch.float16).double(), atol=0, rtol=0)
+    exact = (x_q.cpu().long() @ w_q.cpu().long().t()).double() * 2.0**-20  # CUDA has no int64 matmul
+    torch.testing.assert_close(y.cpu().double(), exact.to(torch.float16).double(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("m, n, k, splits", [(1, 40, 200, 3), (5, 33, 129, 2), (17, 64, 96, 4), (3, 8, 64, 8)])
-def test_w8a8_split_k_is_bit_exact(m, n, k, splits):
+def test_w8a8_split_k_is_bit_exact(m, n, k, splits, device):
     """Split-K sums int32 partials, then scales once: the same output bits as one split."""
     from graft.kernels.triton.gemm_w8a8 import _w8a8, plan
 
+    # the shapes split on the interpreter's plan; a GPU's wider BLOCK_K may leave fewer
+    # splits (one where K is a single step), and _w8a8 plans for the tensors' device
     assert plan(m, n, k, "cpu", splits)["SPLIT_K"] > 1
     x_kind = ("token", "tensor")[m % 2]
-    args = _w8a8_inputs(m, n, k, "cpu", x_kind, "channel", torch.float32, seed=m + n + k)
+    args = _w8a8_inputs(m, n, k, device, x_kind, "channel", torch.float32, seed=m + n + k)
     for out_dtype in (torch.float16, torch.bfloat16):
         split = _w8a8(*args, out_dtype, split_k=splits)
         assert torch.equal(split, _w8a8(*args, out_dtype, split_k=1))
@@ -279,8 +281,13 @@ def test_w4a16_small_group_falls_back_to_reference(device):
     from graft.dispatch import select
 
     args = _w4a16_inputs((3,), 16, 64, 8, "gptq", torch.float16, device)
-    assert select("gemm.w4a16", *args).backend == "torch"
-    torch.testing.assert_close(G.w4a16(*args), G.w4a16_reference(*args))
+    backend = select("gemm.w4a16", *args).backend
+    assert backend != "triton"  # a group of 8 is under the kernel's smallest BLOCK_K
+    if device.type == "cpu":
+        assert backend == "torch"  # on a GPU the hip backend may serve it instead
+    # hip dequantizes W into fp16 before its matmul: one more rounding (test_hip_kernels' GEMM_TOL)
+    tol = {} if backend == "torch" else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(G.w4a16(*args), G.w4a16_reference(*args), **tol)
 
 
 def _mut(i, value):

@@ -68,13 +68,15 @@ def test_fit_shared_trims_an_over_limit_config():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("m, n, k, splits", [(1, 40, 200, 3), (5, 33, 129, 2), (17, 64, 96, 4), (3, 8, 64, 8)])
-def test_forced_split_k_matches_reference(m, n, k, splits, dtype):
+def test_forced_split_k_matches_reference(m, n, k, splits, dtype, device):
     from graft.kernels.triton.gemm_linear import matmul, plan
 
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype)
+    # the shapes split on the interpreter's plan; a GPU's wider BLOCK_K may leave fewer
+    # splits (one where K is a single step), and matmul plans for the tensors' device
     assert plan(m, n, k, dtype, "cpu", split_k=splits)["SPLIT_K"] > 1
     act = G.ACTIVATIONS[(m + n) % len(G.ACTIVATIONS)]
     y = matmul(x, w.t(), b, act, split_k=splits)
@@ -82,38 +84,39 @@ def test_forced_split_k_matches_reference(m, n, k, splits, dtype):
     assert torch.equal(y, matmul(x, w.t(), b, act, split_k=splits))  # fixed-order reduce: bit-reproducible
 
 
-def test_matmul_any_strides_and_out():
+def test_matmul_any_strides_and_out(device):
     """The launcher backward passes reuse: transposed operands (dW = dy.T @ x) and an fp32 out."""
     from graft.kernels.triton.gemm_linear import matmul
 
     gen = torch.Generator().manual_seed(1)
-    dy = torch.randn(37, 24, generator=gen, dtype=torch.float32)  # [tokens, N]
-    x = torch.randn(37, 40, generator=gen, dtype=torch.float32)  # [tokens, K]
+    dy = torch.randn(37, 24, generator=gen, dtype=torch.float32).to(device)  # [tokens, N]
+    x = torch.randn(37, 40, generator=gen, dtype=torch.float32).to(device)  # [tokens, K]
     dw = matmul(dy.t(), x, split_k=3)  # [N, K], reduction over tokens
     torch.testing.assert_close(dw, dy.t() @ x, atol=1e-4, rtol=1e-4)
-    out = torch.empty(40, 24, dtype=torch.float32).t()  # non-contiguous destination
+    out = torch.empty(40, 24, dtype=torch.float32, device=device).t()  # non-contiguous destination
     matmul(dy.t(), x, out=out)
     torch.testing.assert_close(out, dy.t() @ x, atol=1e-4, rtol=1e-4)
-    h = torch.randn(6, 40, generator=gen).half()
-    wt = torch.randn(40, 72, generator=gen).half()[:, ::3]  # stride 3 along N
+    h = torch.randn(6, 40, generator=gen).to(device).half()
+    wt = torch.randn(40, 72, generator=gen).to(device).half()[:, ::3]  # stride 3 along N
     torch.testing.assert_close(matmul(h, wt).float(), h.float() @ wt.float(), atol=2e-3, rtol=2e-3)
 
 
-def test_split_k_edge_cases():
+def test_split_k_edge_cases(device):
     from graft.kernels.triton.gemm_linear import matmul
 
-    x, w = torch.randn(4, 16), torch.randn(16, 8)
+    x, w = torch.randn(4, 16, device=device), torch.randn(16, 8, device=device)
     torch.testing.assert_close(matmul(x, w, split_k=50), x @ w, atol=1e-5, rtol=1e-5)  # more splits than K steps
-    assert matmul(torch.randn(0, 16), w, split_k=4).shape == (0, 8)
-    b = torch.randn(8)
-    torch.testing.assert_close(matmul(torch.randn(4, 0), torch.randn(0, 8), b, "relu"), torch.relu(b).expand(4, 8))
+    assert matmul(torch.randn(0, 16, device=device), w, split_k=4).shape == (0, 8)
+    b = torch.randn(8, device=device)
+    empty_k = matmul(torch.randn(4, 0, device=device), torch.randn(0, 8, device=device), b, "relu")
+    torch.testing.assert_close(empty_k, torch.relu(b).expand(4, 8))
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq"])
 @pytest.mark.parametrize("m, n, k, g, zeros, splits", [(1, 16, 256, 32, True, 4), (3, 24, 128, -1, False, 3),
                                                        (16, 40, 192, 64, True, 2),
                                                        (2, 16, 160, 32, True, 3)])  # last split: a step past K
-def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits):
+def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits, device):
     from graft.kernels.triton import gemm_w4a16
     from graft.quant import pack_int4
 
@@ -121,10 +124,11 @@ def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits):
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
     groups = 1 if g == -1 else k // g
     z = torch.randint(1, 16, (groups, n), generator=gen, dtype=torch.int32) if zeros else None
-    qweight, qzeros = pack_int4(q, z, fmt)
-    scales = ((torch.rand(groups, n, generator=gen) + 0.5) / (4 * math.sqrt(k))).half()
-    x = torch.randn(m, k, generator=gen).half()
-    b = torch.randn(n, generator=gen).half()
+    qweight, qzeros = (t if t is None else t.to(device) for t in pack_int4(q, z, fmt))
+    scales = ((torch.rand(groups, n, generator=gen) + 0.5) / (4 * math.sqrt(k))).half().to(device)
+    x = torch.randn(m, k, generator=gen).half().to(device)
+    b = torch.randn(n, generator=gen).half().to(device)
+    # the interpreter's plan, launched on every device: a GPU's own plan may not split these K
     cfg = gemm_w4a16.plan(m, n, k, x.dtype, "cpu", g, split_k=splits)
     assert cfg["SPLIT_K"] > 1 and (g == -1 or g % cfg["BLOCK_K"] == 0)
     orig = gemm_w4a16.plan
@@ -168,12 +172,12 @@ def _tile_order_probe():
 
 
 @pytest.mark.parametrize("tiles_m, tiles_n, group", [(5, 3, 2), (7, 4, 8), (1, 6, 1), (9, 2, 4)])
-def test_grouped_tile_orders_cover_every_tile_once(tiles_m, tiles_n, group):
+def test_grouped_tile_orders_cover_every_tile_once(tiles_m, tiles_n, group, device):
     """GEMM's tile_coords and fused MoE's _grouped_tile: a permutation of the tile grid, with
     GROUP_M consecutive programs sharing a column tile."""
     probe = _tile_order_probe()
     for moe in (False, True):
-        out = torch.full((tiles_m * tiles_n, 2), -1, dtype=torch.int32)
+        out = torch.full((tiles_m * tiles_n, 2), -1, dtype=torch.int32, device=device)
         probe[(tiles_m * tiles_n,)](out, tiles_m * 16, tiles_n * 16, tiles_m, tiles_n, GROUP_M=group, MOE=moe)
         pairs = [tuple(p) for p in out.tolist()]
         assert sorted(pairs) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
@@ -182,16 +186,16 @@ def test_grouped_tile_orders_cover_every_tile_once(tiles_m, tiles_n, group):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_matmul_accumulates_into_an_fp32_out(splits):
+def test_matmul_accumulates_into_an_fp32_out(splits, device):
     """``accumulate``: out += a @ b in one fp32 rounding (the fused loss's dW over chunks),
     split or not; the fp16 operands never round the running sum."""
     from graft.kernels.triton.gemm_linear import matmul
 
     gen = torch.Generator().manual_seed(3)
-    dw = torch.randn(24, 40, generator=gen)
+    dw = torch.randn(24, 40, generator=gen).to(device)
     expected = dw.clone()
     for _ in range(3):
-        dy, x = (torch.randn(33, 24, generator=gen).half(), torch.randn(33, 40, generator=gen).half())
+        dy, x = (torch.randn(33, rows, generator=gen).half().to(device) for rows in (24, 40))
         expected += dy.float().t() @ x.float()
         out = matmul(dy.t(), x, out=dw, split_k=splits, accumulate=True)
         assert out is dw

@@ -191,8 +191,8 @@ def test_full_layer_through_dispatch(fresh_graft, device):
 # ----------------------------------------------------------------- validation
 
 
-def _good_moe():
-    return moe.make_moe_inputs(3, 4, 2, 16, 8, "cpu", torch.float32, _gen())[0]
+def _good_moe(device="cpu"):
+    return moe.make_moe_inputs(3, 4, 2, 16, 8, device, torch.float32, _gen())[0]
 
 
 @pytest.mark.parametrize(
@@ -257,12 +257,12 @@ def _selected(op, *args):
     return select(op, *args).backend
 
 
-def test_dispatch_selects_triton_and_honours_graft_moe(fresh_graft, monkeypatch):
+def test_dispatch_selects_triton_and_honours_graft_moe(fresh_graft, monkeypatch, device):
     from graft import plugins, selection
 
-    logits = torch.randn(4, 6)
-    ids = torch.tensor([[0, 1]], dtype=torch.int32)
-    args = _good_moe()
+    logits = torch.randn(4, 6, device=device)
+    ids = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    args = _good_moe(device)
     assert _selected("moe.topk_routing", logits, 2, True, "softmax") == "triton"
     assert _selected("moe.align_block_size", ids, 4, 6) == "triton"
     assert _selected("moe.fused_experts", *args) == "triton"
@@ -278,22 +278,22 @@ def test_dispatch_selects_triton_and_honours_graft_moe(fresh_graft, monkeypatch)
 # ----------------------------------------------------------------- custom ops: opcheck and tracing
 
 
-def test_opcheck_routing(kernels):
-    logits = moe._distinct_logits(5, 6, _gen(), "cpu", torch.float32)
+def test_opcheck_routing(kernels, device):
+    logits = moe._distinct_logits(5, 6, _gen(), device, torch.float32)
     torch.library.opcheck(kernels[0].topk_routing_triton, (logits, 2, True, "softmax"))
 
 
-def test_opcheck_align(kernels):
-    ids = moe.random_topk_ids(5, 6, 2, _gen(), None)
+def test_opcheck_align(kernels, device):
+    ids = moe.random_topk_ids(5, 6, 2, _gen(), None).to(device)
     torch.library.opcheck(kernels[1].align_block_size_triton, (ids, 4, 6))
 
 
-def test_opcheck_fused_experts(kernels):
-    args, _ = moe.make_moe_inputs(3, 4, 2, 16, 8, "cpu", torch.float32, _gen())
+def test_opcheck_fused_experts(kernels, device):
+    args, _ = moe.make_moe_inputs(3, 4, 2, 16, 8, device, torch.float32, _gen())
     torch.library.opcheck(kernels[2].fused_experts_triton, (*args, "silu"))
 
 
-def test_moe_layer_traces_with_fake_tensors(kernels):
+def test_moe_layer_traces_with_fake_tensors(kernels, device):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     routing, align, fused = kernels
@@ -303,8 +303,8 @@ def test_moe_layer_traces_with_fake_tensors(kernels):
         sorted_ids, expert_ids, post_pad = align.align_block_size_triton(ids, 16, 4)
         return fused.fused_experts_triton(hidden, w13, w2, weights, ids, "silu"), sorted_ids, expert_ids
 
-    hidden, w13, w2, _, _ = moe.make_moe_inputs(3, 4, 2, 16, 8, "cpu", torch.float32, _gen())[0]
-    logits = torch.randn(3, 4)
+    hidden, w13, w2, _, _ = moe.make_moe_inputs(3, 4, 2, 16, 8, device, torch.float32, _gen())[0]
+    logits = torch.randn(3, 4, device=device)
     graph = make_fx(layer, tracing_mode="fake")(logits, hidden, w13, w2)
     targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
     assert {"graft.moe_topk_routing_triton.default", "graft.moe_fused_experts_triton.default"} <= targets

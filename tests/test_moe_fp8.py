@@ -36,9 +36,10 @@ def test_matches_reference(t, e, k, h, i, skip, dtype, device):
     torch.testing.assert_close(y.float(), F.fused_experts_fp8_reference(*args).float(), **TOL[dtype])
 
 
-def test_close_to_the_unquantized_moe():
+def test_close_to_the_unquantized_moe(device):
     """The block scales are applied where they belong: within fp8 error of the bf16 MoE."""
     args, (w13, w2) = _inputs(9, 4, 2, 256, 192, torch.float32, seed=3)
+    args, w13, w2 = tuple(a.to(device) for a in args), w13.to(device), w2.to(device)
     hidden, weights, ids = args[0], args[5], args[6]
     exact = M.fused_experts_reference(hidden, w13, w2, weights, ids)
     y = F.fused_experts_fp8(*args)
@@ -46,11 +47,13 @@ def test_close_to_the_unquantized_moe():
     assert rel < 0.08, rel  # e4m3 keeps 3 mantissa bits: a few percent after two GEMMs
 
 
-def test_fnuz_format_and_empty():
+def test_fnuz_format_and_empty(device):
     args, _ = _inputs(5, 4, 2, 48, 40, torch.float16, fmt=torch.float8_e4m3fnuz)
+    args = tuple(a.to(device) for a in args)
     torch.testing.assert_close(F.fused_experts_fp8(*args).float(), F.fused_experts_fp8_reference(*args).float(),
                                **TOL[torch.float16])
     empty, _ = _inputs(0, 4, 2, 48, 40, torch.float16)
+    empty = tuple(a.to(device) for a in empty)
     assert F.fused_experts_fp8(*empty).shape == (0, 48)
 
 
@@ -68,11 +71,12 @@ def test_bad_input(mutate, match):
         F.fused_experts_fp8(*mutate(args))
 
 
-def test_dispatch_and_custom_op():
+def test_dispatch_and_custom_op(device):
     from graft.dispatch import select
     from graft.kernels.triton.moe_fused_experts_fp8 import fused_experts_fp8_triton
 
     args, _ = _inputs(5, 4, 2, 48, 40, torch.float32)
+    args = tuple(a.to(device) for a in args)
     assert select("moe.fused_experts_fp8", *args).backend == "triton"
     torch.library.opcheck(fused_experts_fp8_triton, (*args, "silu"),
                           test_utils=("test_faketensor", "test_autograd_registration"))  # test_schema: fp8 mul on CPU
