@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(600)
 def test_every_phase_runs_and_leaves_its_files(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFT_", "BENCH_", "TRITON_", "LEASE_"))}
-    env.update(LEASE_DEVICE="cpu", LEASE_TOTAL_S="240", LEASE_OUT=str(tmp_path / "out"))
+    env.update(LEASE_DEVICE="cpu", LEASE_TOTAL_S="300", LEASE_OUT=str(tmp_path / "out"))
     proc = subprocess.run(["bash", str(ROOT / "ci/gpu_lease.sh")], capture_output=True, text=True, timeout=500,
                           env=env, cwd="/")
     out = proc.stdout + proc.stderr
