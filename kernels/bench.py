@@ -689,11 +689,12 @@ def _clock(device):
 
 
 def release(device, result: Result | None = None) -> None:
-    """Give the case's device memory back before the next one. Its inputs, outputs and
+    """Give a finished case's device memory back before the next one. Its inputs, outputs and
     captured graphs can sit in reference cycles (closures, tracebacks) that only the cyclic
-    collector frees; a graph's private memory pool is released only once the graph is gone.
-    Without this, an H200 run kept 137 GiB reserved after 130 cases and later captures (and a
-    32 GiB decode case) failed with out-of-memory. What stays reserved is recorded."""
+    collector frees, and a graph's private memory pool is released only once the graph is
+    gone; cached blocks of a private pool are not reused by later cases. Without this, an
+    H200 run kept 137 GiB reserved after 130 cases and later captures (and a 32 GiB decode
+    case) failed with out-of-memory. What stays reserved is recorded."""
     import gc
 
     gc.collect()
@@ -805,11 +806,18 @@ def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int, target: s
              result: Result | None = None) -> Result:
     """Build, warm up and time one case; ``result`` (made by :func:`new_result` when None) is
     filled in place, so a run stopped mid-case still holds what was measured."""
-    import torch
-
     result = result if result is not None else new_result(case, target)
     result.status, result.note = "ok", ""
     t0 = time.perf_counter()
+    _time_case(case, device, dtype, use_graphs, rounds, result)
+    # Only once _time_case's frame is gone (its inputs, outputs and captured graphs with it)
+    # can their memory go back; released inside it, an H200 run kept 80 GiB reserved.
+    release(device, result)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _time_case(case: Case, device, dtype, use_graphs: bool, rounds: int, result: Result) -> None:
     try:
         graft, baselines = case.build(device, dtype)
         if not graft:
@@ -857,13 +865,8 @@ def run_case(case: Case, device, dtype, use_graphs: bool, rounds: int, target: s
                 result.value_check[g] = _max_rel_diff(outputs[g], outputs[timed_base[0]])
         if not any(g in runners for g in graft):
             result.status, result.note = "error", "every graft implementation failed"
-        del runners, outputs
     except Exception as exc:  # noqa: BLE001 - record and go on
         result.status, result.note = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
-    finally:
-        release(device, result)
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 # --------------------------------------------------------------------------- reports
