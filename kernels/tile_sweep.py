@@ -77,20 +77,24 @@ def _row_index(generation: str, m: int) -> int:
 
 @contextlib.contextmanager
 def tile_row(generation: str, m: int, row: dict | None):
-    """The table row used at ``m`` rows replaced by ``row`` (None: unchanged) while inside."""
+    """The table row used at ``m`` rows replaced by ``row`` for every kernel kind (None:
+    unchanged, each kind's own measured row included) while inside."""
     from graft.kernels.triton import _gemm_common as common
 
     if row is None:
         yield
         return
-    table = common.TILES[generation]
+    table, kinds = common.TILES[generation], common.KIND_TILES.get(generation)
     i = _row_index(generation, m)
     common.TILES[generation] = table[:i] + ((table[i][0], dict(row)),) + table[i + 1:]
+    common.KIND_TILES.pop(generation, None)  # the candidate applies to every kernel kind
     common._plan.cache_clear()
     try:
         yield
     finally:
         common.TILES[generation] = table
+        if kinds is not None:
+            common.KIND_TILES[generation] = kinds
         common._plan.cache_clear()
 
 
@@ -112,7 +116,7 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
     generation = generation_of(device)
     m = case.params["M"]
     entry = report["sweeps"].setdefault(name, {"params": case.params, "generation": generation,
-                                               "current_row": dict(TILES[generation][_row_index(generation, m)][1]),
+                                               "shared_row": dict(TILES[generation][_row_index(generation, m)][1]),
                                                "candidates": {}, "status": "running"})
     graft, baselines = case.build(device, dtype)
     if "graft:triton" not in graft:

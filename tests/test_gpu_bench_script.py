@@ -252,3 +252,62 @@ def test_tile_row_replaces_only_the_row_of_that_m():
         assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 16
         assert common.base_config("hopper", 16, 2)["BLOCK_N"] == 64  # the M<=16 row is untouched
     assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 256
+
+
+def test_a_case_holds_nothing_once_it_is_measured(monkeypatch):
+    """What a case built (inputs, outputs, captured graphs) is gone when the memory is given
+    back: release() runs after the case's frame is gone, with the cyclic collector (an H200
+    run released inside the case and kept 80 GiB reserved)."""
+    import weakref
+
+    import torch
+
+    from graft.kernels import bench
+
+    class Inputs:  # stands for the case's device tensors
+        def __init__(self):
+            self.x = torch.ones(4)
+            self.cycle = self  # only the cyclic collector frees it
+
+    refs, alive_at_release = [], []
+
+    def build(device, dtype):
+        inputs = Inputs()
+        refs.append(weakref.ref(inputs))
+        return {"graft:torch": lambda: inputs.x * 2}, {"torch": lambda: inputs.x + inputs.x}
+
+    real_release = bench.release
+    monkeypatch.setattr(bench, "release", lambda device, result=None: (
+        real_release(device, result), alive_at_release.append(refs[-1]() is not None)))
+    case = bench.Case("fused", "held", {}, build)
+    r = bench.run_case(case, torch.device("cpu"), torch.float32, False, 2)
+    assert r.status == "ok" and r.ratios, r
+    assert alive_at_release == [False]
+
+
+def test_measured_kind_rows_apply_to_their_kind_only():
+    """The rows a tile sweep measured faster for one kernel kind (KIND_TILES) are what that
+    kind's launcher plans with on Hopper; the other kinds keep the shared row, and a sweep's
+    candidate replaces both while it is measured."""
+    from graft.kernels import tile_sweep
+    from graft.kernels.triton import gemm_fp8, gemm_linear, gemm_w4a16, gemm_w8a8
+    from graft.kernels.triton import _gemm_common as common
+    import torch
+
+    hopper = dict(generation="hopper", sms=132)
+    linear = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)
+    assert (linear["BLOCK_M"], linear["BLOCK_N"], linear["BLOCK_K"]) == (256, 128, 64)
+    assert gemm_linear.plan(4096, 28672, 4096, torch.float32, "cuda", **hopper)["BLOCK_M"] == 128  # bf16-measured only
+    block = gemm_fp8.plan(4096, 28672, 4096, "cuda", True, **hopper)
+    assert (block["BLOCK_M"], block["BLOCK_N"], block["num_warps"], block["num_stages"]) == (64, 128, 4, 4)
+    tensor = gemm_fp8.plan(4096, 28672, 4096, "cuda", False, **hopper)
+    assert (tensor["BLOCK_M"], tensor["BLOCK_N"]) == (128, 256)
+    assert gemm_w4a16.plan(4096, 28672, 4096, torch.bfloat16, "cuda", 128, **hopper)["BLOCK_N"] == 256
+    assert gemm_w8a8.plan(4096, 28672, 4096, "cuda", **hopper)["BLOCK_N"] == 256
+    assert gemm_linear.plan(16, 6144, 4096, torch.bfloat16, "cuda", **hopper)["BLOCK_M"] == 16  # M<=16: shared row
+    row = dict(BLOCK_M=128, BLOCK_N=64, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=3)
+    with tile_sweep.tile_row("hopper", 4096, row):
+        assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)["BLOCK_N"] == 64
+        assert gemm_fp8.plan(4096, 28672, 4096, "cuda", True, **hopper)["BLOCK_N"] == 64
+    assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)["BLOCK_M"] == 256
+    assert "hopper" in common.KIND_TILES

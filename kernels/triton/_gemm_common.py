@@ -67,6 +67,22 @@ TILES = {
     ),
 }
 
+# Rows a tile sweep on the GPU measured faster for one kernel kind than the shared row it
+# replaces (key: that row's max_m; None is the last, prefill row). H200, Triton 3.6,
+# benchmarks/tile-sweep-nvidia-h200.json, at M=4096, N=28672, K=4096:
+# * linear (bf16): 256x128 tiles 1.20x the shared 128x256 row (0.71x -> 0.85x cuBLAS);
+# * fp8_block: the shared 128x256 row holds two 128x256 fp32 tiles (the accumulator and the
+#   scaled block product) at the 255-register cap and serialises its wgmmas; 64x128 with 4
+#   warps ran 2.26x faster (0.22x -> 0.49x of row-wise _scaled_mm).
+# The same sweep found the shared rows best for W4A16 at large M and for bf16 at M<=16 and
+# M<=128; W8A8 and per-tensor fp8 were not swept and keep the shared rows.
+KIND_TILES = {
+    "hopper": {
+        "linear": {None: _T(BLOCK_M=256, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)},
+        "fp8_block": {None: _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4)},
+    },
+}
+
 MIN_K_STEPS_PER_SPLIT = 4  # below this the prologue/epilogue of a split outweighs its loop
 MAX_SPLIT_K = 16
 WAVES = 2  # split until about this many programs per SM are in flight
@@ -123,11 +139,13 @@ def fit_shared(cfg: dict, generation: str, a_bytes: float, b_bytes: float) -> di
     return cfg
 
 
-def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None = None) -> dict:
-    """The table row for ``m`` rows on ``generation``, with BLOCK_K resolved and fitted."""
+def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None = None, kind: str | None = None) -> dict:
+    """The table row for ``m`` rows on ``generation`` (``kind``'s own row where
+    :data:`KIND_TILES` has one), with BLOCK_K resolved and fitted."""
     for max_m, row in TILES[generation]:
         if max_m is None or m <= max_m:
             break
+    row = KIND_TILES.get(generation, {}).get(kind, {}).get(max_m, row)
     cfg = dict(row)
     k_bytes = cfg.pop("K_BYTES", None)
     if k_bytes is not None:
@@ -154,8 +172,8 @@ def split_k(m: int, n: int, k: int, cfg: dict, sms: int, max_split: int = MAX_SP
 
 @functools.lru_cache(maxsize=4096)
 def _plan(generation: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_bytes: float, k_multiple_of: int,
-          allow_split: bool) -> dict:
-    cfg = base_config(generation, m, a_bytes, b_bytes)
+          allow_split: bool, kind: str | None = None) -> dict:
+    cfg = base_config(generation, m, a_bytes, b_bytes, kind)
     while k_multiple_of and k_multiple_of % cfg["BLOCK_K"] and cfg["BLOCK_K"] > _MIN_BLOCK_K:
         cfg["BLOCK_K"] //= 2  # one K step must stay inside one quantisation group
     cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = split_k(m, n, k, cfg, sms) if allow_split else (1, k)
@@ -164,15 +182,16 @@ def _plan(generation: str, sms: int, m: int, n: int, k: int, a_bytes: float, b_b
 
 def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | None = None, *,
               k_multiple_of: int = 0, split: bool = True, split_k: int | None = None, generation: str | None = None,
-              sms: int | None = None) -> dict:
+              sms: int | None = None, kind: str | None = None) -> dict:
     """Launch plan for an M x N x K GEMM on ``device``: tile constexprs, launch options,
-    ``SPLIT_K`` and ``K_PER_SPLIT``. ``k_multiple_of``: BLOCK_K must divide it (group size).
+    ``SPLIT_K`` and ``K_PER_SPLIT``. ``k_multiple_of``: BLOCK_K must divide it (group size);
+    ``kind``: the kernel kind, for its own measured rows (:data:`KIND_TILES`).
     ``split_k`` forces a split count (tests, benchmarks); ``generation``/``sms`` plan for
     hardware other than ``device`` (tests, AOT). Cached."""
     generation = generation or generation_of(device)
     sms = sms if sms is not None else sm_count(device)
     b = a_bytes if b_bytes is None else b_bytes
-    cfg = dict(_plan(generation, sms, m, n, k, a_bytes, b, k_multiple_of, split))
+    cfg = dict(_plan(generation, sms, m, n, k, a_bytes, b, k_multiple_of, split, kind))
     if split_k is not None and split_k != cfg["SPLIT_K"]:
         steps = triton.cdiv(k, cfg["BLOCK_K"])
         per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
