@@ -271,6 +271,7 @@ def test_build_mode_off_uses_only_prebuilt_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(_build, "environment_reason", lambda: None)
     monkeypatch.setenv("GRAFT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("GRAFT_HIP_BUILD", raising=False)  # the default (a GPU script may set off)
     assert _build.unavailable_reason() is None  # default: lazy, builds on first use
     monkeypatch.setenv("GRAFT_HIP_BUILD", "off")
     assert "GRAFT_HIP_BUILD=off and no prebuilt kernels" in _build.unavailable_reason()
