@@ -58,20 +58,13 @@ say "== 1. environment ($(date -u +%FT%TZ)); ${TOTAL_S}s in all"
 if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv 2>&1 | tee -a "$LOG"
 fi
-timeout 90 "$PY" - "$OUT_DIR/env.json" "$DEVICE" <<'PYEOF' 2>&1 | tee -a "$LOG"
-import json, platform, sys, time
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout 90 "$PY" - "$OUT_DIR/env.json" "$DEVICE" <<'PYEOF' 2>&1 | tee -a "$LOG"
+import json, sys
 import torch
+from graft.kernels.bench import environment
 out, device = sys.argv[1], torch.device(sys.argv[2])
-env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
-try:
-    import triton
-    env["triton"] = triton.__version__
-except ImportError:
-    env["triton"] = None
+env = environment(device)
 if device.type == "cuda":
-    props = torch.cuda.get_device_properties(device)
-    env.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
-               cuda=torch.version.cuda, capability=".".join(map(str, torch.cuda.get_device_capability(device))))
     # The ceilings this card reaches now (METHOD.md: datasheet rates are leads): a 4 GiB copy
     # (bytes read + written) and an 8192^3 bf16 matmul on random data; medians of 10.
     def timed(fn, n=10):

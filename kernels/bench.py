@@ -872,11 +872,14 @@ def _time_case(case: Case, device, dtype, use_graphs: bool, rounds: int, result:
 # --------------------------------------------------------------------------- reports
 
 
-def _environment(device) -> dict:
+def environment(device) -> dict:
+    """Where a run happened: Python, torch, Triton, the GPU (name, SMs, memory, capability,
+    CUDA/HIP), and graft's commit (``+dirty`` when the tree differs from it: a GPU machine
+    gets a copy of the working tree, not always of its history)."""
     import torch
 
     env: dict = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         import triton
 
@@ -885,10 +888,16 @@ def _environment(device) -> dict:
         env["triton"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda, hip=torch.version.hip)
+        env.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+                   cuda=torch.version.cuda, hip=torch.version.hip)
+    here = os.path.dirname(__file__)
     try:
-        env["graft_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                             cwd=os.path.dirname(__file__), timeout=5).stdout.strip() or None
+        def git(*args):
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=here, timeout=5).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        env["graft_commit"] = (commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+                               if commit else None)
     except Exception:  # noqa: BLE001 - not a checkout
         env["graft_commit"] = None
     return env
@@ -1127,7 +1136,7 @@ def run(args) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GraftInputError("--device cuda but torch sees no GPU")
     dtype = getattr(torch, args.dtype)
-    env = _environment(device)
+    env = environment(device)
     target = (None if args.target == "none" else args.target if args.target
               else roofline_target(env.get("gpu")) if device.type == "cuda" else None)
     env.update(dtype=args.dtype, quick=args.quick, budget_s=args.budget_s, rounds=args.rounds,

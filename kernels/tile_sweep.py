@@ -175,7 +175,7 @@ def run(args) -> int:
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    env = bench._environment(device)
+    env = bench.environment(device)
     tag = args.tag or ("cpu-quick" if device.type == "cpu" else
                        "".join(ch if ch.isalnum() else "-" for ch in env.get("gpu", "gpu").lower()).strip("-"))
     os.makedirs(args.out, exist_ok=True)
