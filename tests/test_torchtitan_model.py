@@ -262,3 +262,92 @@ def test_moe_is_opt_in(fresh_graft, monkeypatch):
     _titan.model_spec("deepseek_v3", graft_on=True)
     assert "moe" not in converter.last_report["swapped"]
     assert converter.last_report["left"]["moe"] == "not in GraftConverter.Config.parts"
+
+
+def _per_document_attention(q, k, v, positions, causal, scale):
+    """The definition: each document of a row (it starts where positions is 0) attends
+    within itself only, causally or fully; GQA by repeating KV heads."""
+    out = torch.empty_like(q)
+    group = q.shape[2] // k.shape[2]
+    for b in range(q.shape[0]):
+        starts = (positions[b] == 0).nonzero().flatten().tolist() + [q.shape[1]]
+        for s, e in zip(starts[:-1], starts[1:]):
+            qd, kd, vd = (t[b, s:e].transpose(0, 1) for t in (q, k, v))
+            kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
+            out[b, s:e] = torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=causal, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window,causal", [((-1, 0), True), ((-1, -1), False)])
+def test_varlen_attention_serves_document_masks(fresh_graft, monkeypatch, window, causal):
+    """GraftVarlenAttention on TorchTitan's VarlenMetadata for rows packing several documents
+    (odd lengths, GQA 4/2 heads): forward and q/k/v gradients equal per-document attention."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    from graft.adapters.torchtitan import GraftVarlenAttention
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    attn = GraftVarlenAttention(GraftVarlenAttention.Config(window_size=window))
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (5, 7, 1, 3)] + [torch.arange(9), torch.arange(7)]).view(2, 16)
+    q = torch.randn(2, 16, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 16, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    counter.reset()
+    out = attn(q, k, v, attention_masks=create_varlen_metadata_for_document(positions), scale=0.3)
+    ref = _per_document_attention(q, k, v, positions, causal, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert counter.served_calls() == {"attention.prefill:torch": 1} and counter.fallbacks() == {}
+
+
+def test_varlen_attention_leaves_what_it_cannot_serve(fresh_graft, monkeypatch):
+    """A sliding window, an LSE epilogue or MLA's narrower value heads go to TorchTitan's own
+    varlen forward (here a stand-in: its CUDA flash attention cannot run on the CPU), counted
+    with the reason."""
+    from torchtitan.models.common.attention import VarlenAttention, create_varlen_metadata_for_document
+
+    from graft.adapters.torchtitan import GraftVarlenAttention
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    monkeypatch.setattr(VarlenAttention, "forward", lambda self, q, k, v, **kw: "titan")
+    meta = create_varlen_metadata_for_document(torch.arange(8).view(1, 8))
+    q = k = torch.randn(1, 8, 2, 8)
+    counter.reset()
+    sliding = GraftVarlenAttention(GraftVarlenAttention.Config(window_size=(4, 0)))
+    plain = GraftVarlenAttention(GraftVarlenAttention.Config())
+    assert sliding(q, k, k, attention_masks=meta) == "titan"
+    assert plain(q, k, k, attention_masks=meta, out_transform=lambda o, lse: o) == "titan"
+    assert plain(q, k, torch.randn(1, 8, 2, 4), attention_masks=meta) == "titan"
+    assert counter.fallbacks() == {"GraftVarlenAttention": 3} and counter.served_calls() == {}
+
+
+def test_varlen_attention_compiles_fullgraph_on_triton(fresh_graft, monkeypatch):
+    """On the Triton backend (a torch.library custom op with a fake and a backward) graft's
+    varlen attention traces with fullgraph=True and equals eager, gradients included. The
+    torch backend's per-document lengths are data-dependent (host reads): under compile it
+    graph-breaks (README: TorchTitan section)."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    from graft.adapters.torchtitan import GraftVarlenAttention
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "triton")
+    attn = GraftVarlenAttention(GraftVarlenAttention.Config())
+    meta = create_varlen_metadata_for_document(torch.cat([torch.arange(9), torch.arange(7)]).view(1, 16))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 16, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 16, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    eager = attn(q, k, v, attention_masks=meta)
+    grads = torch.autograd.grad(eager.sum(), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: attn(q, k, v, attention_masks=meta), backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, eager)
+    for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -147,3 +147,28 @@ def test_llama3_compiled_by_parallelize_graft_on_equals_off(tp):
         # plus the final norm, run eagerly.
         assert STEPS * 3 <= served["fused.rms_norm:torch"] <= STEPS * 5, served
     _check_equal(off, on)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp", [1, 2], ids=["fsdp2", "tp2"])
+def test_llama3_varlen_attention_on_graft_equals_torchtitans(tp):
+    """A Llama 3 built with TorchTitan's varlen attention (document masking): graft serves it
+    with attention.prefill on TorchTitan's VarlenMetadata (on the CPU, where TorchTitan's own
+    varlen, CUDA flash attention, cannot run); TorchTitan's side runs its causal SDPA, which is
+    the same attention for one document a row (the batches' positions count 0..seq-1). Under
+    TP=2 the heads-sharded q/k/v run on their local heads."""
+    steps = 10
+    args = (steps, 0, 2, 2, 16, False, False, None, False, None, "varlen")
+    off = run_ranks(_titan.train_ranks, 2, "llama3", False, tp, *args, timeout=400, env=ENV)
+    on = run_ranks(_titan.train_ranks, 2, "llama3", True, tp, *args, timeout=400, env=ENV)
+    for r in on:
+        assert r["modules"] == {"GraftRMSNorm": 5, "GraftFeedForward": 2, "GraftVarlenAttention": 2}, r["modules"]
+        assert r["served"]["attention.prefill:torch"] == 2 * steps, r["served"]  # 2 layers a step
+        assert r["fallbacks"] == {}, r["fallbacks"]
+    lo, lg = off[0]["losses"], on[0]["losses"]
+    assert np.allclose(lg, lo, rtol=LOSS_RTOL, atol=0) and lo[-1] != lo[0], (lg, lo)
+    for name in off[0]["grads"]:
+        np.testing.assert_allclose(on[0]["grads"][name], off[0]["grads"][name], rtol=GRAD_RTOL, atol=GRAD_ATOL,
+                                   err_msg=name)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 def __getattr__(name):
-    if name in ("GraftConverter", "GraftRMSNorm", "GraftFeedForward"):
+    if name in ("GraftConverter", "GraftRMSNorm", "GraftFeedForward", "GraftVarlenAttention", "GraftRoutedExperts"):
         from graft.adapters.torchtitan import converter, modules
 
         return getattr(converter if name == "GraftConverter" else modules, name)

@@ -8,6 +8,8 @@ What it swaps (exact TorchTitan types only; a model's own subclass keeps its for
 
 * ``RMSNorm.Config`` with a weight -> ``GraftRMSNorm.Config`` (``fused.rms_norm``);
 * ``FeedForward.Config`` -> ``GraftFeedForward.Config`` (``fused.silu_and_mul``);
+* ``VarlenAttention.Config`` -> ``GraftVarlenAttention.Config`` (``attention.prefill``: a
+  model built with ``attn_backend="varlen"``, TorchTitan's document-masked attention);
 * opt-in, ``RoutedExperts.Config`` -> ``GraftRoutedExperts.Config`` (``moe.fused_experts``).
 
 A part is swapped only where graft is wanted (measured selection, as every integration: a
@@ -24,13 +26,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields
 
+from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.protocols.model import ModelConfigConverter
 
 from graft.adapters.torchtitan import integration
-from graft.adapters.torchtitan.modules import GraftFeedForward, GraftRMSNorm, GraftRoutedExperts
+from graft.adapters.torchtitan.modules import GraftFeedForward, GraftRMSNorm, GraftRoutedExperts, GraftVarlenAttention
 
 log = logging.getLogger("graft.integration.torchtitan")
 
@@ -42,6 +45,7 @@ _SWAPS = (
     (RMSNorm.Config, GraftRMSNorm.Config, "norm"),
     (FeedForward.Config, GraftFeedForward.Config, "swiglu"),
     (RoutedExperts.Config, GraftRoutedExperts.Config, "moe"),
+    (VarlenAttention.Config, GraftVarlenAttention.Config, "attention"),
 )
 
 
@@ -73,8 +77,9 @@ class GraftConverter(ModelConfigConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
-        parts: tuple[str, ...] = ("norm", "swiglu")
-        """The parts to swap (``norm``, ``swiglu``, ``moe``); the others stay TorchTitan's. ``moe``
+        parts: tuple[str, ...] = ("norm", "swiglu", "attention")
+        """The parts to swap (``norm``, ``swiglu``, ``attention``, ``moe``); the others stay
+        TorchTitan's. ``attention`` swaps only varlen inner attention (flex and SDPA stay). ``moe``
         (routed experts on ``moe.fused_experts``) is opt-in: TorchTitan's experts compute in
         bfloat16, graft's in the model's dtype, so it changes numerics (see GraftRoutedExperts)."""
 
@@ -116,6 +121,9 @@ class GraftConverter(ModelConfigConverter):
                 new = graft_cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
                 model_config = _replace(model_config, new, parent, attr)
                 report["swapped"][part] = report["swapped"].get(part, 0) + 1
+            if part not in report["swapped"] and not any(k.startswith(f"{part}.") for k in report["left"]):
+                report["left"].setdefault(part, f"this model has no {titan_cls.__qualname__}"
+                                          + (" (built with attn_backend='varlen' it has)" if part == "attention" else ""))
         log.info("graft's TorchTitan converter swapped %s; left to TorchTitan: %s",
                  report["swapped"] or "nothing", "; ".join(f"{k}: {v}" for k, v in report["left"].items()))
         return model_config

@@ -18,15 +18,16 @@ ENV_VAR = config.declare_env_var(
 SUPPORTED = ">=0.3,<0.4"
 
 # The parts graft serves in TorchTitan, and the graft ops each needs: the converter swaps
-# ``norm`` and ``swiglu``; ``optimizer`` is GraftOptimizersContainer (named in the job config).
+# ``norm``, ``swiglu``, ``attention`` (varlen) and, opt-in, ``moe``; ``optimizer`` is
+# GraftOptimizersContainer (named in the job config).
 NEEDS = {"norm": ("fused.rms_norm",), "swiglu": ("fused.silu_and_mul",), "moe": ("moe.fused_experts",),
-         "optimizer": ("fused.adam_step",)}
-MODEL_PARTS = ("norm", "swiglu", "moe")
+         "attention": ("attention.prefill",), "optimizer": ("fused.adam_step",)}
+MODEL_PARTS = ("norm", "swiglu", "attention", "moe")
 
 # What stays TorchTitan's own code in every model (and why): reported once by the converter.
 NOT_SERVED = {
-    "attention": ("TorchTitan's inner attention (SDPA / flex / varlen) stays its own: not converted (its flex "
-                  "block masks and varlen metadata have no graft op counterpart wired up yet)"),
+    "flex_attention": ("TorchTitan's flex and SDPA inner attention stay its own (flex block masks have no graft "
+                       "op counterpart; build the model with attn_backend='varlen' for attention.prefill)"),
     "router": "TorchTitan's MoE router (top-k, expert bias, load balancing) stays its own",
     "output_loss": ("TorchTitan's lm_head + (chunked) cross-entropy stay its own: not converted (lm_head is its "
                     "own FSDP2 unit, and ChunkedLossWrapper drives its forward per chunk with FSDP reshard and "
@@ -42,8 +43,9 @@ def integration() -> FrameworkIntegration:
         distribution="torchtitan",
         supported=SUPPORTED,
         activate=activate,
-        description=("model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul; "
-                     "GraftOptimizersContainer: Adam/AdamW step -> fused.adam_step"),
+        description=("model converter: RMSNorm -> fused.rms_norm, SwiGLU activation -> fused.silu_and_mul, "
+                     "varlen attention -> attention.prefill; GraftOptimizersContainer: Adam/AdamW step -> "
+                     "fused.adam_step"),
         env_var=ENV_VAR,
         needs=dict(NEEDS),
         notes=["opt-in per job: add graft.adapters.torchtitan.GraftConverter.Config() to the model's converters"]

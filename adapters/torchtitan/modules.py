@@ -6,7 +6,10 @@ activation checkpointing and checkpoints see the same module. Only ``forward`` c
 
 * ``GraftRMSNorm``: ``fused.rms_norm``;
 * ``GraftFeedForward``: the SwiGLU activation ``silu(w1 x) * w3 x`` as ``fused.silu_and_mul``
-  (w1, w2, w3 stay TorchTitan's Linears, so their sharding is untouched).
+  (w1, w2, w3 stay TorchTitan's Linears, so their sharding is untouched);
+* ``GraftVarlenAttention``: TorchTitan's varlen inner attention (document masking: each
+  document of a packed row attends causally within itself, boundaries where ``positions``
+  restarts) as ``attention.prefill`` on the same cumulative lengths.
 
 DTensor activations (TorchTitan's ``partial_dtensor`` SPMD backend under TP/SP) run on their
 local shards, the way TorchTitan's own local-map modules do: both ops are row-wise (RMSNorm
@@ -169,3 +172,74 @@ class GraftRoutedExperts(RoutedExperts):
                           topk_scores_BLK.reshape(B * L, K).float(),
                           topk_expert_ids_BLK.reshape(B * L, K).to(torch.int32), "silu")
         return out.view(B, -1, D)
+
+
+from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata  # noqa: E402
+
+# window_size -> causal for the windows attention.prefill computes (TorchTitan's (-1, 0) is
+# causal, (-1, -1) full); a sliding window stays TorchTitan's.
+_WINDOWS = {(-1, 0): True, (-1, -1): False}
+
+
+def _local_heads(*tensors):
+    """Local shards of DTensors laid out alike and split (if at all) on the heads dim (2 of
+    [B, L, N, H]) only, with their placements; ``(None, why)`` for any other layout. Each
+    head's attention is independent, so a head shard computes exactly its part; a batch or
+    sequence shard would not match the packed rows' cumulative lengths."""
+    first = tensors[0]
+    if not all(isinstance(t, DTensor) for t in tensors):
+        return None, "q, k, v are not all DTensors"
+    for t in tensors:
+        if t.device_mesh != first.device_mesh or t.placements != first.placements:
+            return None, "q, k, v are laid out differently"
+        for p in t.placements:
+            if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % t.ndim == 2)):
+                return None, f"placement {p} (attention.prefill takes a heads shard or a replica)"
+    return [t.to_local() for t in tensors], None
+
+
+class GraftVarlenAttention(VarlenAttention):
+    """TorchTitan's ``VarlenAttention`` (document-masked attention over packed rows) on
+    ``attention.prefill``, with TorchTitan's ``VarlenMetadata`` as the cumulative lengths.
+
+    TorchTitan's own path calls torch's ``varlen_attn`` (flash attention; CUDA, bf16 only: it
+    casts q, k, v to bfloat16); ``attention.prefill`` computes in the inputs' dtype with fp32
+    softmax and accumulation, on any device graft has a backend for, forward and backward.
+    Taken for causal and full windows with equal q/k and v head dims and no ``out_transform``
+    (which needs the log-sum-exp), on plain tensors or heads-sharded DTensors; anything else
+    (a sliding window, MLA's narrower value heads, an LSE epilogue) runs TorchTitan's forward,
+    counted as ``fallback.GraftVarlenAttention`` with the reason.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, out_transform=None, **kwargs):
+        causal = _WINDOWS.get(tuple(self.window_size))
+        why = None
+        if causal is None:
+            why = f"window_size {tuple(self.window_size)}: attention.prefill computes causal or full windows"
+        elif out_transform is not None:
+            why = "an out_transform epilogue needs the log-sum-exp, which attention.prefill does not return"
+        elif v_BLNH.shape[-1] != q_BLNH.shape[-1]:
+            why = f"value head dim {v_BLNH.shape[-1]} != query head dim {q_BLNH.shape[-1]} (MLA)"
+        elif not isinstance(attention_masks, VarlenMetadata):
+            why = f"attention_masks is a {type(attention_masks).__name__}, not VarlenMetadata"
+        tensors = (q_BLNH, k_BLNH, v_BLNH)
+        dtensor = any(isinstance(t, DTensor) for t in tensors)
+        if why is None and dtensor:
+            local, why = _local_heads(*tensors)
+            if local is not None:
+                tensors = local
+        if why is not None:
+            counter.fallback("GraftVarlenAttention", why)
+            return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale,
+                                   out_transform=out_transform, **kwargs)
+        q, k, v = tensors
+        B, L, _, D = q.shape
+        meta = attention_masks
+        out = counter.run("attention.prefill", q.reshape(B * L, -1, D), k.reshape(B * L, -1, D),
+                          v.reshape(B * L, -1, D), meta.cu_seq_q, meta.cu_seq_k, int(meta.max_q), int(meta.max_k),
+                          causal, scale).view(B, L, -1, D)
+        return _from_local(out, q_BLNH) if dtensor else out

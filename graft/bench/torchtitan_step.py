@@ -44,16 +44,19 @@ import tempfile
 
 
 def cpu_attention(model_config):
-    """Swap FlexAttention/varlen configs for TorchTitan's causal SDPA config (CPU shim)."""
+    """Swap TorchTitan's own FlexAttention/varlen configs for its causal SDPA config (CPU shim:
+    its flex needs compiled kernels for a backward, its varlen is CUDA flash attention); graft's
+    varlen attention (a subclass) stays: it runs on the CPU."""
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
 
     for cls in (FlexAttention.Config, VarlenAttention.Config):
-        for _fqn, _cfg, parent, attr in list(model_config.traverse(cls)):
-            setattr(parent, attr, ScaledDotProductAttention.Config())
+        for _fqn, cfg, parent, attr in list(model_config.traverse(cls)):
+            if type(cfg) is cls:
+                setattr(parent, attr, ScaledDotProductAttention.Config())
     return model_config
 
 
-def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel", parts=None):
+def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel", parts=None, attn_backend: str = "flex"):
     """TorchTitan's ModelSpec from its registry, with graft's converter named when ``graft_on``."""
     import importlib
 
@@ -61,9 +64,21 @@ def model_spec(model: str, graft_on: bool, flavor: str = "debugmodel", parts=Non
 
     registry = importlib.import_module(f"torchtitan.models.{model}").model_registry
     config = GraftConverter.Config() if parts is None else GraftConverter.Config(parts=tuple(parts))
-    spec = registry(flavor, converters=[config] if graft_on else None)
+    spec = registry(flavor, attn_backend=attn_backend, converters=[config] if graft_on else None)
     cpu_attention(spec.model)
     return spec
+
+
+def attention_masks(model, positions):
+    """What TorchTitan's trainer passes a model whose attention takes masks (its varlen or flex
+    inner attention: ``model.get_attention_masks(positions)``), else None."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    first = getattr(getattr(model, "config", None), "first_attention", None)
+    inner = getattr(first, "inner_attention", None)
+    if isinstance(inner, (FlexAttention.Config, VarlenAttention.Config)):
+        return model.get_attention_masks(positions)
+    return None
 
 
 def shrink(model_config, n_layers: int):
@@ -84,11 +99,12 @@ def _trainer_stand_in():
         sys.modules["torchtitan.trainer"] = stand_in
 
 
-def build_model(model: str, graft_on: bool, seed: int = 0, n_layers: int | None = None, parts=None):
+def build_model(model: str, graft_on: bool, seed: int = 0, n_layers: int | None = None, parts=None,
+                attn_backend: str = "flex"):
     """A single-process model (no parallelism), weights from ``seed``."""
     import torch
 
-    spec = model_spec(model, graft_on, parts=parts)
+    spec = model_spec(model, graft_on, parts=parts, attn_backend=attn_backend)
     if n_layers is not None:
         shrink(spec.model, n_layers)
     torch.manual_seed(seed)
@@ -116,7 +132,7 @@ class Job:
     context, then the optimizer step. Needs an initialised process group."""
 
     def __init__(self, model, graft_on, tp, seed=0, n_layers=None, batch=2, seq=16, compile_model=False,
-                 ac=False, spmd_backend=None, graft_optim=False, parts=None):
+                 ac=False, spmd_backend=None, graft_optim=False, parts=None, attn_backend="flex"):
         import os
         import types
 
@@ -131,7 +147,7 @@ class Job:
 
         world = torch.distributed.get_world_size()
         pdims.device_type = "cpu"  # shim: see the module docstring
-        spec = model_spec(model, graft_on, parts=parts)
+        spec = model_spec(model, graft_on, parts=parts, attn_backend=attn_backend)
         if n_layers is not None:
             shrink(spec.model, n_layers)
         self.spec, self.tp, self.dp, self.batch, self.seq = spec, tp, world // tp, batch, seq
@@ -189,6 +205,9 @@ class Job:
         tokens = torch.randint(0, self.spec.model.vocab_size, (self.dp, batch, seq + 1), generator=gen)
         inputs, labels = tokens[self.dp_rank, :, :-1], tokens[self.dp_rank, :, 1:]
         extra = {"positions": torch.arange(seq).expand(batch, seq).contiguous()}
+        masks = attention_masks(self.model, extra["positions"])  # as TorchTitan's trainer does
+        if masks is not None:
+            extra["attention_masks"] = masks
         if self.parallelism.spmd_backend == "spmd_types":
             inputs, labels, extra = annotate_input_spmd_types(self.parallel_dims, inputs, labels, extra)
         return inputs, labels, extra
@@ -210,7 +229,7 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None, graft_optim=False, parts=None):
+                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex"):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
     arrays), graft's counted calls and fallbacks, and how many graft modules the model holds."""
@@ -229,7 +248,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
     if os.environ.get("GRAFT_TEST_TITAN_FP32_EXPERTS") == "1":
         fp32_experts()
     job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
-              graft_optim=graft_optim, parts=parts)
+              graft_optim=graft_optim, parts=parts, attn_backend=attn_backend)
     gen = torch.Generator().manual_seed(seed + 1)
     losses, grads = [], {}
 
@@ -246,7 +265,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
         # the global token count); TP ranks hold the same share
         losses.append(total.item() / tp)
     kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())
-             for name in ("GraftRMSNorm", "GraftFeedForward", "GraftRoutedExperts")
+             for name in ("GraftRMSNorm", "GraftFeedForward", "GraftRoutedExperts", "GraftVarlenAttention")
              if any(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())}
     return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
             "fallbacks": counter.fallbacks(), "modules": kinds,
