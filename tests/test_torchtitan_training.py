@@ -172,3 +172,31 @@ def test_llama3_varlen_attention_on_graft_equals_torchtitans(tp):
     for name in off[0]["grads"]:
         np.testing.assert_allclose(on[0]["grads"][name], off[0]["grads"][name], rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                    err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_llama3_pipeline_parallel_graft_on_equals_off():
+    """PP=2 through TorchTitan's pipelining_fn (pipeline_llm: the model split into one stage a
+    rank, each stage parallelized by parallelize_llama, its 1F1B schedule over microbatches of
+    one row): graft's modules serve inside the stages, losses and every stage's step-1
+    gradients equal TorchTitan's own. Each stage runs one extra forward of a microbatch on its
+    first step (the schedule's shape inference), counted too."""
+    steps, microbatches = 10, 2
+    args = (steps, 0, 2, 2, 16, False, False, None, False, None, "flex", 2)
+    off = run_ranks(_titan.train_ranks, 2, "llama3", False, 1, *args, timeout=400, env=ENV)
+    on = run_ranks(_titan.train_ranks, 2, "llama3", True, 1, *args, timeout=400, env=ENV)
+    calls = steps * microbatches + 1
+    # stage 0: layer 0 (its 2 norms, 1 SwiGLU); stage 1: layer 1 and the final norm
+    for r, norms in zip(on, (2, 3)):
+        assert r["modules"] == {"GraftRMSNorm": norms, "GraftFeedForward": 1}, r["modules"]
+        assert r["served"] == {"fused.rms_norm:torch": norms * calls, "fused.silu_and_mul:torch": calls}, r["served"]
+        assert r["fallbacks"] == {}, r["fallbacks"]
+    lo, lg = off[0]["losses"], on[0]["losses"]
+    assert np.allclose(lg, lo, rtol=LOSS_RTOL, atol=0) and lo[-1] != lo[0], (lg, lo)
+    for stage_off, stage_on in zip(off, on):
+        assert stage_off["grads"].keys() == stage_on["grads"].keys() and stage_off["grads"]
+        for name in stage_off["grads"]:
+            np.testing.assert_allclose(stage_on["grads"][name], stage_off["grads"][name], rtol=GRAD_RTOL,
+                                       atol=GRAD_ATOL, err_msg=name)

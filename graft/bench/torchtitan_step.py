@@ -132,7 +132,7 @@ class Job:
     context, then the optimizer step. Needs an initialised process group."""
 
     def __init__(self, model, graft_on, tp, seed=0, n_layers=None, batch=2, seq=16, compile_model=False,
-                 ac=False, spmd_backend=None, graft_optim=False, parts=None, attn_backend="flex"):
+                 ac=False, spmd_backend=None, graft_optim=False, parts=None, attn_backend="flex", pp=1):
         import os
         import types
 
@@ -150,10 +150,13 @@ class Job:
         spec = model_spec(model, graft_on, parts=parts, attn_backend=attn_backend)
         if n_layers is not None:
             shrink(spec.model, n_layers)
-        self.spec, self.tp, self.dp, self.batch, self.seq = spec, tp, world // tp, batch, seq
+        self.spec, self.tp, self.pp, self.dp, self.batch, self.seq = spec, tp, pp, world // (tp * pp), batch, seq
         spmd_backend = spmd_backend or os.environ.get("GRAFT_TEST_TITAN_SPMD", "partial_dtensor")
+        # PP: TorchTitan's pipelining_fn splits the model into stages (one per rank here), each
+        # parallelized by parallelize_fn, driven by its schedule (1F1B, microbatches of 1)
         self.parallelism = parallelism = ParallelismConfig(
-            data_parallel_shard_degree=self.dp, tensor_parallel_degree=tp, spmd_backend=spmd_backend)
+            data_parallel_shard_degree=self.dp, tensor_parallel_degree=tp, spmd_backend=spmd_backend,
+            pipeline_parallel_degree=pp, pipeline_parallel_microbatch_size=1)
         self.parallel_dims = parallel_dims = ParallelDims.from_config(parallelism, world)
         parallel_dims.build_mesh()
         dist_utils.set_spmd_backend(parallelism.spmd_backend)
@@ -168,22 +171,31 @@ class Job:
             from torchtitan.distributed.activation_checkpoint import FullAC
 
             ac_config = FullAC.Config()
+        compile_config = CompileConfig(enable=bool(compile_model),
+                                       backend=compile_model if isinstance(compile_model, str) else "inductor")
+        self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size).build()
         with tempfile.TemporaryDirectory() as dump:
-            m = spec.parallelize_fn(m, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                                    compile_config=CompileConfig(enable=bool(compile_model),
-                                                                backend=compile_model if isinstance(compile_model, str)
-                                                                else "inductor"),
-                                    ac_config=ac_config,
-                                    dump_folder=dump)
-        for module in m.modules():  # shim: gloo has no PREMUL_SUM (FSDP2 then reduces with plain SUM)
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)
-        m.to_empty(device="cpu")
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            m.init_weights(buffer_device=None)
-        m.train()
-        self.model = m
+            if pp > 1:
+                self.schedule, parts_, self.first_stage, self.last_stage = spec.pipelining_fn(
+                    m, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                    compile_config=compile_config, ac_config=ac_config, dump_folder=dump,
+                    device=torch.device("cpu"), model_config=spec.model, parallelize_fn=spec.parallelize_fn,
+                    loss_fn=self.loss_fn)
+            else:
+                parts_ = [spec.parallelize_fn(m, parallel_dims=parallel_dims, training=training,
+                                              parallelism=parallelism, compile_config=compile_config,
+                                              ac_config=ac_config, dump_folder=dump)]
+        for part in parts_:
+            for module in part.modules():  # shim: gloo has no PREMUL_SUM (FSDP2 then reduces with plain SUM)
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+            part.to_empty(device="cpu")
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+            part.train()
+        self.parts = parts_
+        self.model = parts_[0]
         if graft_optim:  # graft's container, as a job config names it (Adam/AdamW on fused.adam_step)
             from graft.adapters.torchtitan.optimizer import graft_adamw
 
@@ -191,8 +203,7 @@ class Job:
         else:
             opt_config = default_adamw(lr=1e-3)
         opt_config.implementation = "for-loop"
-        self.optim = opt_config.build(model_parts=[m])
-        self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size).build()
+        self.optim = opt_config.build(model_parts=parts_)
         self.context = dist_utils.get_spmd_context(parallel_dims=parallel_dims, spmd_typechecking=False)
         self.dp_rank = parallel_dims.get_mesh("fsdp").get_local_rank() if self.dp > 1 else 0
 
@@ -218,6 +229,19 @@ class Job:
 
         global_tokens = torch.tensor(float(labels.numel() * self.dp))
         self.optim.zero_grad()
+        if self.pp > 1:
+            # as TorchTitan's Trainer.pp_forward_backward_step, through torch 2.13's schedule API
+            # (whole batch, split into microbatches of one row by the schedule); positions are
+            # the default 0..seq-1, so no stage needs them passed
+            losses = [] if self.last_stage else None
+            with self.context():
+                self.schedule.step(*((inputs,) if self.first_stage else ()),
+                                   target=labels if self.last_stage else None, losses=losses,
+                                   loss_kwargs={"global_valid_tokens": global_tokens}, return_outputs=False)
+            if after_backward is not None:
+                after_backward()
+            self.optim.step()
+            return torch.sum(torch.stack(losses)).detach() if self.last_stage else torch.zeros(())
         with self.context():
             pred = self.model(inputs, **extra)
             loss, _ = self.loss_fn(pred, labels, global_tokens)
@@ -229,7 +253,7 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex"):
+                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex", pp=1):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
     arrays), graft's counted calls and fallbacks, and how many graft modules the model holds."""
@@ -248,12 +272,12 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
     if os.environ.get("GRAFT_TEST_TITAN_FP32_EXPERTS") == "1":
         fp32_experts()
     job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
-              graft_optim=graft_optim, parts=parts, attn_backend=attn_backend)
+              graft_optim=graft_optim, parts=parts, attn_backend=attn_backend, pp=pp)
     gen = torch.Generator().manual_seed(seed + 1)
     losses, grads = [], {}
 
     def keep_grads():
-        for name, p in job.model.named_parameters():
+        for name, p in (item for part in job.parts for item in part.named_parameters()):
             g = p.grad
             g = g.full_tensor() if hasattr(g, "full_tensor") else g
             grads[name] = g.detach().numpy().copy()  # numpy: pickled by value back to the launcher
@@ -264,13 +288,15 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
         # each data-parallel rank's loss is its share of the global mean (TorchTitan divides by
         # the global token count); TP ranks hold the same share
         losses.append(total.item() / tp)
-    kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())
+    held = [x for part in job.parts for x in part.modules()]
+    kinds = {name: sum(isinstance(x, getattr(graft_modules, name)) for x in held)
              for name in ("GraftRMSNorm", "GraftFeedForward", "GraftRoutedExperts", "GraftVarlenAttention")
-             if any(isinstance(x, getattr(graft_modules, name)) for x in job.model.modules())}
-    return {"losses": losses, "grads": grads if rank == 0 else None, "served": dict(counter.served_calls()),
+             if any(isinstance(x, getattr(graft_modules, name)) for x in held)}
+    # each pipeline stage's own parameters: every rank's gradients under PP
+    return {"losses": losses, "grads": grads if rank == 0 or pp > 1 else None, "served": dict(counter.served_calls()),
             "fallbacks": counter.fallbacks(), "modules": kinds,
             "optimizers": [type(o).__name__ for o in job.optim.optimizers],
-            "n_params": sum(1 for p in job.model.parameters() if p.requires_grad)}
+            "n_params": sum(1 for part in job.parts for p in part.parameters() if p.requires_grad)}
 
 
 # The bench's job: Llama 3 debugmodel (dim 256, vocab 2048), 2 layers, 2 x 32 tokens a rank.
