@@ -200,3 +200,38 @@ def test_default_scale_is_inverse_sqrt_head_dim():
         prefill_reference(q, k, v, cu_q, cu_k, mq, mk),
         prefill_reference(q, k, v, cu_q, cu_k, mq, mk, softmax_scale=1 / math.sqrt(64)),
     )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_backend_compiles_fullgraph_with_its_gradients(causal):
+    """graft's torch backend reads the per-sequence lengths on the host; under torch.compile it
+    is the custom op attention_prefill_torch (fake + a written-out backward, itself an op):
+    fullgraph=True traces, and output and q/k/v gradients equal the eager torch backend's for
+    ragged sequences with more keys than queries (bottom-right causal) and GQA."""
+    from graft.ops import attention as A
+
+    gen = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 9, 17], dtype=torch.int32)
+    q = torch.randn(13, 4, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(17, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    grad = torch.randn(13, 4, 16, generator=gen)
+    eager = A.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25)
+    want = torch.autograd.grad(eager, (q, k, v), grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: A.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25),
+                             backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, eager)
+    for got, w in zip(torch.autograd.grad(out, (q, k, v), grad), want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_backend_custom_op_opcheck():
+    from graft.ops import attention as A
+
+    gen = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q = torch.randn(8, 2, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(8, 1, 8, generator=gen, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(A._PREFILL_TORCH_OP, (q, k, v, cu, cu, 5, 5, True, None))

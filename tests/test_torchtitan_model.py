@@ -328,16 +328,16 @@ def test_varlen_attention_leaves_what_it_cannot_serve(fresh_graft, monkeypatch):
     assert counter.fallbacks() == {"GraftVarlenAttention": 3} and counter.served_calls() == {}
 
 
-def test_varlen_attention_compiles_fullgraph_on_triton(fresh_graft, monkeypatch):
-    """On the Triton backend (a torch.library custom op with a fake and a backward) graft's
-    varlen attention traces with fullgraph=True and equals eager, gradients included. The
-    torch backend's per-document lengths are data-dependent (host reads): under compile it
-    graph-breaks (README: TorchTitan section)."""
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_varlen_attention_compiles_fullgraph(fresh_graft, monkeypatch, backend):
+    """Graft's varlen attention traces with fullgraph=True and equals eager, gradients
+    included: on Triton a custom op with a fake and a backward; on torch, whose per-document
+    lengths are host reads, the custom op attention_prefill_torch under compile."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
     from graft.adapters.torchtitan import GraftVarlenAttention
 
-    monkeypatch.setenv("GRAFT_BACKENDS", "triton")
+    monkeypatch.setenv("GRAFT_BACKENDS", backend)
     attn = GraftVarlenAttention(GraftVarlenAttention.Config())
     meta = create_varlen_metadata_for_document(torch.cat([torch.arange(9), torch.arange(7)]).view(1, 16))
     gen = torch.Generator().manual_seed(0)

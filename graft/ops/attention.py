@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Optional
 
 import torch
 
@@ -171,6 +172,104 @@ def _sdpa(q, k, v, scale, causal):
 
 
 def prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, softmax_scale=None):
+    """graft's torch backend of attention.prefill (:func:`_prefill_torch_eager`). Its
+    per-sequence lengths are host reads of ``cu_seqlens``, which ``torch.compile`` cannot trace
+    (a data-dependent graph break, an error under ``fullgraph=True``): there it is the custom
+    op ``torch.ops.graft.attention_prefill_torch`` (a fake of the output's shape, a backward
+    that recomputes the forward and differentiates it eagerly, itself an op)."""
+    if torch.compiler.is_compiling():
+        return _PREFILL_TORCH_OP(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                   bool(causal), None if softmax_scale is None else float(softmax_scale))
+    return _prefill_torch_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                softmax_scale)
+
+
+def _prefill_torch_custom(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: Optional[float]) -> torch.Tensor:
+    with torch.no_grad():
+        return _prefill_torch_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                    softmax_scale).clone()
+
+
+def _prefill_torch_custom_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                               softmax_scale: Optional[float]) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def _prefill_torch_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         causal: bool, softmax_scale: Optional[float]) -> list[torch.Tensor]:
+    """dq, dk, dv of attention.prefill, written out (a custom op's body records no autograd
+    graph): per sequence, as :func:`_attend` defines the forward, in the accumulation dtype
+    dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = dS K * scale, dK = dS^T Q * scale,
+    dV = P^T dO; GQA gradients summed over each KV head's group."""
+    scale = _scale_or_default(softmax_scale, q.shape[-1])
+    gq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    gk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
+    gv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    total_q, total_k = q.shape[0], k.shape[0]
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    for b in range(len(starts_q) - 1):
+        q0 = min(max(starts_q[b], 0), total_q)  # the forward's clamping of the bounds
+        q1 = min(max(starts_q[b + 1], q0), total_q)
+        k0 = min(max(starts_k[b], 0), total_k)
+        k1 = min(max(starts_k[b + 1], k0), total_k)
+        sq, sk = q1 - q0, k1 - k0
+        if sq == 0 or sk == 0:
+            continue
+        qf = acc(q[q0:q1]).transpose(0, 1)  # [H, Sq, D]
+        kf = acc(k[k0:k1]).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
+        vf = acc(v[k0:k1]).repeat_interleave(group, dim=1).transpose(0, 1)
+        do = acc(grad[q0:q1]).transpose(0, 1)
+        scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+        if causal:
+            visible = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+        dp = torch.matmul(do, vf.transpose(1, 2))
+        ds = probs * (dp - (dp * probs).sum(dim=-1, keepdim=True))
+        gq[q0:q1] += (torch.matmul(ds, kf) * scale).transpose(0, 1)
+        dk = torch.matmul(ds.transpose(1, 2), qf) * scale  # [H, Sk, D]
+        dv = torch.matmul(probs.transpose(1, 2), do)
+        gk[k0:k1] += dk.view(num_kv_heads, group, sk, head_dim).sum(1).transpose(0, 1)
+        gv[k0:k1] += dv.view(num_kv_heads, group, sk, head_dim).sum(1).transpose(0, 1)
+    return [gq.to(q.dtype), gk.to(k.dtype), gv.to(v.dtype)]
+
+
+def _prefill_torch_grads_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                              max_seqlen_k: int, causal: bool, softmax_scale: Optional[float]) -> list[torch.Tensor]:
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+
+
+def _register_prefill_torch_ops():
+    """The custom ops of the torch backend under torch.compile (registered at import: a
+    registration cannot be traced)."""
+    from graft.custom_ops import define_op, register_backward
+
+    forward = define_op("attention_prefill_torch", _prefill_torch_custom, fake=_prefill_torch_custom_fake)
+    grads = define_op("attention_prefill_torch_grads", _prefill_torch_grads, fake=_prefill_torch_grads_fake)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:5])
+        ctx.rest = inputs[5:]
+
+    def backward(ctx, grad):
+        q, k, v, cu_q, cu_k = ctx.saved_tensors
+        gq, gk, gv = grads(grad.contiguous(), q, k, v, cu_q, cu_k, *ctx.rest)
+        return gq, gk, gv, None, None, None, None, None, None
+
+    register_backward(forward, backward, setup_context, name="attention.prefill on torch")
+    return forward
+
+
+def _prefill_torch_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                         softmax_scale=None):
     """graft's torch backend of attention.prefill: torch's fused attention
     (``F.scaled_dot_product_attention``, fp32 softmax and accumulation as the reference), one
     batched call when every sequence has the same lengths (a framework's ``[batch, seq]``
@@ -212,6 +311,9 @@ def prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         else:
             out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal).to(q.dtype)
     return out
+
+
+_PREFILL_TORCH_OP = _register_prefill_torch_ops()
 
 
 def prefill_paged_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
