@@ -54,7 +54,7 @@ class FrameworkIntegration:
     # here, i.e. a GRAFT_* variable orders its ops' backends or a tuning table names one of
     # graft's backends for them (graft.tuning.graft_wanted); otherwise the framework's own
     # code stays, untouched, with that reason. Integrations that decide per part themselves
-    # (vLLM's plugin, TorchTitan's converter) leave this False and say why in their reports.
+    # (vLLM's plugin) leave this False and say why in their reports.
     measured: bool = False
 
     def unavailable_parts(self) -> dict:

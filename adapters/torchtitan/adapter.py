@@ -7,6 +7,7 @@ from graft.integration import FrameworkPlugin
 
 plugin = FrameworkPlugin(
     "graft.adapters.torchtitan",
-    description=("TorchTitan integration: model converter (RMSNorm, SwiGLU feed-forward activation on graft ops), "
-                 "optimizer container (Adam/AdamW step on fused.adam_step)"),
+    description=("TorchTitan integration: model converter (RMSNorm, SwiGLU feed-forward activation, varlen "
+                 "attention, opt-in MoE experts on graft ops), optimizer container (Adam/AdamW step on "
+                 "fused.adam_step)"),
 )

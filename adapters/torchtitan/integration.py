@@ -48,6 +48,9 @@ def integration() -> FrameworkIntegration:
                      "fused.adam_step"),
         env_var=ENV_VAR,
         needs=dict(NEEDS),
+        # the converter swaps a part only where graft is known faster (GRAFT_* variable or a
+        # tuning table entry): `graft info` says the same of the parts it would leave
+        measured=True,
         notes=["opt-in per job: add graft.adapters.torchtitan.GraftConverter.Config() to the model's converters"]
         + [f"{part}: {why}" for part, why in NOT_SERVED.items()],
     )
