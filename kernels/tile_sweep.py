@@ -86,7 +86,7 @@ def tile_row(generation: str, m: int, row: dict | None):
         return
     table, kinds = common.TILES[generation], common.KIND_TILES.get(generation)
     i = _row_index(generation, m)
-    common.TILES[generation] = table[:i] + ((table[i][0], dict(row)),) + table[i + 1:]
+    common.TILES[generation] = table[:i] + ((table[i][0], dict(row)),) + table[i + 1:]  # type: ignore[assignment]
     common.KIND_TILES.pop(generation, None)  # the candidate applies to every kernel kind
     common._plan.cache_clear()
     try:
@@ -180,7 +180,7 @@ def run(args) -> int:
                        "".join(ch if ch.isalnum() else "-" for ch in env.get("gpu", "gpu").lower()).strip("-"))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"tile-sweep-{tag}.json")
-    report = {"environment": env, "sweeps": {},
+    report: dict = {"environment": env, "sweeps": {},
               "how_to_read": "per sweep: median seconds per call of graft's Triton launcher with each candidate row "
                              "of the tile table in place of the current one (CUDA graph replays, interleaved "
                              "rounds), speedup_vs_current = current / candidate, best_vs_baseline = library / best"}

@@ -76,7 +76,7 @@ TILES = {
 #   warps ran 2.26x faster (0.22x -> 0.49x of row-wise _scaled_mm).
 # The same sweep found the shared rows best for W4A16 at large M and for bf16 at M<=16 and
 # M<=128; W8A8 and per-tensor fp8 were not swept and keep the shared rows.
-KIND_TILES = {
+KIND_TILES: dict[str, dict[str, dict[int | None, dict]]] = {
     "hopper": {
         "linear": {None: _T(BLOCK_M=256, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)},
         "fp8_block": {None: _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4)},
@@ -145,8 +145,8 @@ def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None =
     for max_m, row in TILES[generation]:
         if max_m is None or m <= max_m:
             break
-    row = KIND_TILES.get(generation, {}).get(kind, {}).get(max_m, row)
-    cfg = dict(row)
+    own: dict = KIND_TILES.get(generation, {}).get(kind, {}) if kind is not None else {}
+    cfg = dict(own.get(max_m, row))
     k_bytes = cfg.pop("K_BYTES", None)
     if k_bytes is not None:
         cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
