@@ -115,18 +115,23 @@ def _attend(q, k, v, scale, causal, key_pos=None, context_len=None):
     qf = acc(q).transpose(0, 1)  # [H, Sq, D]
     kf = acc(k).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
     vf = acc(v).repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Sq, Sk]
-    if causal:
-        rows = torch.arange(sq, device=q.device)[:, None]
-        cols = key_pos[None, :]
-        visible = cols <= rows + (context_len - sq)  # bottom-right aligned
-        scores = scores.masked_fill(~visible, float("-inf"))
     if sk == 0:
         return torch.zeros(sq, num_heads, q.shape[-1], dtype=acc_dtype(q), device=q.device)
+    probs = _probs(qf, kf, scale, causal, key_pos, context_len)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [Sq, H, D]
+
+
+def _probs(qf, kf, scale, causal, key_pos, context_len):
+    """Attention weights [H, Sq, Sk] of fp32 ``qf`` [H, Sq, D] over ``kf`` [H, Sk, D]: the
+    causal diagonal bottom-right aligned on ``key_pos`` in a context of ``context_len``."""
+    sq = qf.shape[1]
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    if causal:
+        visible = key_pos[None, :] <= torch.arange(sq, device=qf.device)[:, None] + (context_len - sq)
+        scores = scores.masked_fill(~visible, float("-inf"))
     # Rows that see no key: softmax of all -inf is NaN; define them as zeros.
     row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # masked out, not +inf from an inf input
-    probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
-    return torch.matmul(probs, vf).transpose(0, 1)  # [Sq, H, D]
+    return torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
 
 
 def _scale_or_default(softmax_scale, head_dim):
@@ -225,12 +230,7 @@ def _prefill_torch_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         kf = acc(k[k0:k1]).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Sk, D]
         vf = acc(v[k0:k1]).repeat_interleave(group, dim=1).transpose(0, 1)
         do = acc(grad[q0:q1]).transpose(0, 1)
-        scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
-        if causal:
-            visible = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-            scores = scores.masked_fill(~visible, float("-inf"))
-        row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
+        probs = _probs(qf, kf, scale, causal, torch.arange(sk, device=q.device), sk)
         dp = torch.matmul(do, vf.transpose(1, 2))
         ds = probs * (dp - (dp * probs).sum(dim=-1, keepdim=True))
         gq[q0:q1] += (torch.matmul(ds, kf) * scale).transpose(0, 1)
