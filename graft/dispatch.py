@@ -99,9 +99,9 @@ class _Plan:
     """What serves one (op, device, dtype): statically usable impls in order, and the
     argument signatures that already passed the op's validation."""
 
-    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep", "tune")
+    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep", "values", "tune")
 
-    def __init__(self, impls, error, source, requested, strict, missing, keep):
+    def __init__(self, impls, error, source, requested, strict, missing, keep, values=False):
         self.impls = impls  # tuple of Implementation, ending at the first one without a check
         self.error = error  # GraftUnsupportedError to raise on every call, or None
         # The common case, one impl and no per-call check: no loop and, unless GRAFT_STRICT=1
@@ -113,6 +113,9 @@ class _Plan:
         self.missing = missing
         # Whether argument signatures that pass validation may be remembered (_Op.hits).
         self.keep = keep
+        # Whether a remembered signature still runs the op's value checks on each call
+        # (OpSpec.check_values, while value checks are on for this device).
+        self.values = values
         # graft.tuning.PlanTuner: the plan of each tuned shape bucket (None: no table entry).
         self.tune = None
 
@@ -121,8 +124,8 @@ class _Op:
     """Per-op state of the hot path: the spec's parts, the plans per (device, dtype), and
     the remembered argument signatures."""
 
-    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "hits", "next_hit", "next_fast",
-                 "collective")
+    __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "values_recogniser", "hits",
+                 "next_hit", "next_fast", "collective")
 
     def __init__(self, name: str, spec, remember: bool = True):
         self.name = name
@@ -137,6 +140,7 @@ class _Op:
         self.next_fast = 0  # the same for _fast_hits[name]
         self.collective = spec.family == "collectives"
         self.recogniser = None
+        self.values_recogniser = None  # the same, with spec.check_values run on every hit
         if remember and spec.validate is not None and spec.validate_cache != "never":
             # A collective's validation includes the cross-rank agreement, made for one
             # process group: the default group is part of the signature (a group passed as
@@ -144,11 +148,16 @@ class _Op:
             try:
                 self.recogniser = Recogniser(spec.validate, context=_default_group if self.collective else None,
                                              varying=spec.validate_varying)
+                if spec.check_values is not None:
+                    self.values_recogniser = Recogniser(spec.validate, varying=spec.check_values)
             except (TypeError, ValueError) as exc:
                 log.info("%s: argument signatures are not remembered (%s)", name, exc)
 
+    def _recogniser(self, plan):
+        return self.values_recogniser if plan.values else self.recogniser
+
     def remember(self, args, kwargs, plan) -> None:
-        recogniser = self.recogniser
+        recogniser = self._recogniser(plan)
         if recogniser is None or self.collective and _default_group() is _NOTHING:
             return  # (a collective without a group identity to tie the agreement to agrees on every call)
         hit = recogniser.hit(args, kwargs, plan)
@@ -167,7 +176,8 @@ class _Op:
         unconditional implementation without a Python frame; they match the spelling of
         the call (positional count, keyword names), so each spelling is added when the
         C entry first passes it on."""
-        fast = self.recogniser.fast_hit(args, kwargs, plan.first) if self.recogniser is not None else None
+        recogniser = self._recogniser(plan)
+        fast = recogniser.fast_hit(args, kwargs, plan.first) if recogniser is not None else None
         if fast is None:
             return
         with _state_lock:
@@ -265,10 +275,15 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
         keep = device is not None and settings().validate != "always"
     else:
         keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
-    plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep)
+    # With value checks on, an op whose value checks stand apart still remembers signatures:
+    # a hit then runs only those checks (OpSpec.check_values), not the whole validator.
+    values = (device is not None and mode == "values" and state.values_recogniser is not None
+              and value_checks_on(device_type))
+    keep = keep or values
+    plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep, values)
     if error is None and not requested:  # a GRAFT_* variable's order is never tuned away
         plan.tune = tuning.tuner(op, device_type, dtype, plan, [c.impl for c in static if c.reason is None],
-                                 lambda impls: _Plan(impls, None, source, requested, strict, missing, keep))
+                                 lambda impls: _Plan(impls, None, source, requested, strict, missing, keep, values))
     state.plans[(device, dtype)] = plan
     return plan
 
@@ -377,7 +392,7 @@ def _make_entry(with_impl: bool):
                 plan = _plan_for(state, args, kwargs)
             if plan.tune is not None and not _is_compiling():  # a tuning table's choice for this shape
                 plan = plan.tune.plan(op, args, kwargs)
-            if plan.keep and state.recogniser is not None and not _is_compiling():
+            if plan.keep and not _is_compiling():
                 state.remember(args, kwargs, plan)
         impl = plan.first
         if impl is not None:
@@ -486,12 +501,19 @@ def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):
 _python_call, _python_run = call, run
 
 
-def _trace_python_entries() -> None:
-    """torch.compile cannot look into C: have it trace the Python entries in their place."""
+def _with_dynamo() -> None:
+    """Once torch._dynamo is imported: torch.compile cannot look into C, so it traces the
+    Python entries in their place; and remembering a signature is never traced (an entry
+    that runs eagerly inside a compiled function, after a graph break, would otherwise have
+    its cold path compiled as a frame of its own, down to torch's C++ tensor guards)."""
+    import torch._dynamo
     from torch._dynamo import substitute_in_graph
 
-    substitute_in_graph(_fastcall.call, skip_signature_check=True)(_python_call)
-    substitute_in_graph(_fastcall.run, skip_signature_check=True)(_python_run)
+    _Op.remember = torch._dynamo.disable(_Op.remember)  # type: ignore[method-assign]
+    _Op.remember_fast = torch._dynamo.disable(_Op.remember_fast)  # type: ignore[method-assign]
+    if _fastcall is not None:
+        substitute_in_graph(_fastcall.call, skip_signature_check=True)(_python_call)
+        substitute_in_graph(_fastcall.run, skip_signature_check=True)(_python_run)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -539,7 +561,7 @@ if _fastcall is not None:
     _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
                         torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
     call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
-    if "torch._dynamo" in sys.modules:
-        _trace_python_entries()
-    else:
-        sys.meta_path.insert(0, _AfterImport("torch._dynamo", _trace_python_entries))
+if "torch._dynamo" in sys.modules:
+    _with_dynamo()
+else:
+    sys.meta_path.insert(0, _AfterImport("torch._dynamo", _with_dynamo))

@@ -46,6 +46,14 @@ class OpSpec:
     change from call to call (a step count, a learning rate) and checks them as
     ``validate`` does: a remembered signature then matches them by type only, and
     ``validate_varying`` runs on every call instead of ``validate``.
+    ``check_values`` (optional) holds the checks that read tensor values (cu_seqlens, block
+    tables, expert ids...), apart from the metadata: ``validate`` runs them too (by calling
+    it), and a signature remembered while value checks are on runs only them on each call
+    instead of the whole validator. It takes, by name, the validator's arguments it reads;
+    scalars among them are matched by type only and must be checked by it (a
+    ``max_seqlen`` that changes every call), and those of them a call may leave to their
+    default come last. It reads values only where ``can_read_values`` allows. An op with
+    ``check_values`` has no ``validate_varying``.
     """
 
     name: str
@@ -61,8 +69,12 @@ class OpSpec:
     grad_inputs: tuple = ()
     validate_cache: str = "values"
     validate_varying: Callable | None = None
+    check_values: Callable | None = None
 
     def __post_init__(self):
+        if self.check_values is not None and self.validate_varying is not None:
+            raise GraftError(f"op {self.name!r}: check_values and validate_varying cannot both be given "
+                             "(check_values checks the varying scalars it takes)")
         if self.validate_cache not in ("values", "always", "never"):
             raise GraftError(f"op {self.name!r}: validate_cache must be 'values', 'always' or 'never', "
                              f"got {self.validate_cache!r}")

@@ -17,6 +17,7 @@ validator every time, to be rejected there), lists and other objects.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -179,8 +180,16 @@ class Recogniser:
         if classified is None:
             return None
         kinds, tensors, scalars = classified
-        if any(n not in names for n in self.varying_names):
-            return None  # a varying argument left to its default: not in the call to hand over
+        varying, at = self.varying, tuple(names.index(n) for n in self.varying_names if n in names)
+        if len(at) < len(self.varying_names):
+            # Varying arguments the call leaves to their default: handed over as the validator
+            # would see them, bound once as keywords (only trailing ones: the others go by position).
+            missing = self.varying_names[len(at):]
+            assert varying is not None  # (varying_names come with it)
+            if any(n not in names for n in self.varying_names[:len(at)]) or any(n in names for n in missing):
+                return None
+            params = self.signature.parameters
+            varying = functools.partial(varying, **{n: params[n].default for n in missing})
         values = iter(scalars)
         pairs = tuple((k[1], next(values) if k[0] == "S" else None) for k in kinds if isinstance(k, tuple))
         codes = bytes(ord(k if isinstance(k, str) else k[0]) for k in kinds)
@@ -188,7 +197,7 @@ class Recogniser:
         if context is False:
             return None
         return (len(args), tuple(kwargs), codes, tensor_guard(tuple(tensors)) if tensors else None, pairs,
-                self.varying, tuple(names.index(n) for n in self.varying_names), self.context, context, impl)
+                varying, at, self.context, context, impl)
 
     def _factory(self, kinds: tuple) -> Callable:
         """Source for one arrangement of argument kinds, compiled once: the hit function's

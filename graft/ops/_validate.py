@@ -83,15 +83,18 @@ def can_read_values(t: torch.Tensor) -> bool:
     only with GRAFT_CHECK_VALUES=1 or GRAFT_STRICT=1. Kernels never rely on these checks
     for memory safety: they mask out-of-range values themselves.
     """
-    if t.numel() == 0 or t.device.type == "meta" or torch.compiler.is_compiling():
+    # Runs on every call of an op with value checks: tensor flags (is_cpu...) rather than
+    # t.device, which builds a device object each time.
+    if not t.numel() or torch.compiler.is_compiling() or isinstance(t, _FakeTensor):
         return False
-    if isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
-        return False
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return _value_checks()[0]
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if t.is_meta or t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return _value_checks()[1]
+
+
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor  # noqa: E402  (after the doc above)
 
 
 _value_check_cache: list = [None, (True, False)]  # [generation, (on CPU, on GPUs)]

@@ -584,12 +584,13 @@ def _check_heads(op, q_name, num_heads, num_kv_heads):
         )
 
 
-def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total):
+def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total) -> list:
+    """cu_seqlens read once (a list: cheaper than comparisons as tensors); returns the values."""
     values = cu.tolist()
     if values[0] != 0:
         raise GraftInputError(f"{op}: {name} must start at 0, got {values[0]}")
-    lengths = [b - a for a, b in zip(values, values[1:])]
-    if any(n < 0 for n in lengths):
+    lengths = list(map(operator.sub, values[1:], values))  # runs on every call: no generator frames
+    if lengths and min(lengths) < 0:
         raise GraftInputError(f"{op}: {name} must be non-decreasing, got {values}")
     if exact_total and values[-1] != total:
         raise GraftInputError(f"{op}: {name}[-1] = {values[-1]} must equal the number of packed tokens ({total})")
@@ -598,6 +599,7 @@ def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total):
     longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise GraftInputError(f"{op}: a sequence has {longest} tokens but the max_seqlen given for {name} is {max_seqlen}")
+    return values
 
 
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
@@ -638,14 +640,21 @@ def validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         )
     max_q = _as_int("max_seqlen_q", max_seqlen_q, op)
     max_k = _as_int("max_seqlen_k", max_seqlen_k, op)
-    if max_q < 0 or max_k < 0:
-        raise GraftInputError(f"{op}: max_seqlen_q/max_seqlen_k must be >= 0, got {max_q}/{max_k}")
     if not isinstance(causal, bool):
         raise GraftInputError(f"{op}: causal must be a bool, got {type(causal).__name__}")
     _check_scale(op, softmax_scale)
+    check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+
+
+def check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """attention.prefill's checks of values (``OpSpec.check_values``): the max_seqlens (which
+    change from call to call), and the cu_seqlens where values may be read."""
+    op = "attention.prefill"
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise GraftInputError(f"{op}: max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}/{max_seqlen_k}")
     if can_read_values(cu_seqlens_q):
-        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, exact_total=True)
-        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_k, exact_total=False)
+        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, exact_total=True)
+        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, exact_total=False)
 
 
 def _check_kv_scales(op, query, key_cache, value_cache, k_scale, v_scale):
@@ -726,8 +735,13 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
     if splits < 0:
         raise GraftInputError(f"{op}: num_splits must be >= 0 (0 = choose automatically), got {splits}")
     _check_scale(op, softmax_scale)
-    if num_seqs and can_read_values(seq_lens):
-        _check_paged_values(op, key_cache, block_tables, seq_lens)
+    check_decode_paged_values(key_cache, block_tables, seq_lens)
+
+
+def check_decode_paged_values(key_cache, block_tables, seq_lens):
+    """attention.decode_paged's checks of values (``OpSpec.check_values``)."""
+    if seq_lens.shape[0] and can_read_values(seq_lens):
+        _check_paged_values("attention.decode_paged", key_cache, block_tables, seq_lens)
 
 
 def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_tables, seq_lens, num_seqs=None,
@@ -764,15 +778,25 @@ def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_table
         )
 
 
-def _check_paged_values(op, key_cache, block_tables, seq_lens):
-    """seq_lens within the table's capacity; the table entries they use name blocks of the caches."""
-    block_size = key_cache.shape[1]
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+def _check_paged_values(op, key_cache, block_tables, seq_lens) -> list:
+    """seq_lens within the table's capacity; the table entries they use name blocks of the
+    caches. Returns seq_lens as a list (one entry a sequence: read once, compared in Python,
+    cheaper than as tensors)."""
+    block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+    lens = seq_lens.tolist()
+    lo, hi = min(lens, default=0), max(lens, default=0)
     capacity = block_tables.shape[1] * block_size
     if lo < 0 or hi > capacity:
         raise GraftInputError(
             f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
         )
+    if not hi:
+        return lens  # no sequence uses a block
+    # The common case in one pass: every entry of the table, used or not, names a block.
+    # Only otherwise are the entries the sequences use told apart (stale or padding ones may be anything).
+    b_lo, b_hi = torch.aminmax(block_tables)
+    if b_lo.item() >= 0 and b_hi.item() < num_blocks:
+        return lens
     used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
         (seq_lens.long() + block_size - 1) // block_size
     )[:, None]
@@ -783,6 +807,7 @@ def _check_paged_values(op, key_cache, block_tables, seq_lens):
             f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
             f"got {int(bad[0])} ({bad.numel()} such entries)"
         )
+    return lens
 
 
 def validate_prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
@@ -812,21 +837,28 @@ def validate_prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q
     _check_paged_metadata(op, "q", q, key_cache, value_cache, block_tables, seq_lens, num_seqs)
     check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
     max_q = _as_int("max_seqlen_q", max_seqlen_q, op)
-    if max_q < 0:
-        raise GraftInputError(f"{op}: max_seqlen_q must be >= 0, got {max_q}")
     if not isinstance(causal, bool):
         raise GraftInputError(f"{op}: causal must be a bool, got {type(causal).__name__}")
     _check_scale(op, softmax_scale)
-    if can_read_values(cu_seqlens_q):
-        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_q, exact_total=True)
-        if num_seqs:
-            _check_paged_values(op, key_cache, block_tables, seq_lens)
-            query_lens = torch.diff(cu_seqlens_q)
-            short = (query_lens > seq_lens).nonzero()
-            if short.numel():
-                b = int(short[0, 0])
+    check_prefill_paged_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens, max_q)
+
+
+def check_prefill_paged_values(q, key_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q):
+    """attention.prefill_paged's checks of values (``OpSpec.check_values``): max_seqlen_q
+    (which changes from call to call), and the cu_seqlens, seq_lens and table where values
+    may be read."""
+    op = "attention.prefill_paged"
+    if max_seqlen_q < 0:
+        raise GraftInputError(f"{op}: max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    if not can_read_values(cu_seqlens_q):
+        return
+    cu = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, exact_total=True)
+    if len(cu) > 1:
+        lens = _check_paged_values(op, key_cache, block_tables, seq_lens)
+        for b, (start, end, seq_len) in enumerate(zip(cu, cu[1:], lens)):
+            if end - start > seq_len:
                 raise GraftInputError(
-                    f"{op}: sequence {b} has {int(query_lens[b])} query tokens but seq_lens[{b}] = {int(seq_lens[b])}; "
+                    f"{op}: sequence {b} has {end - start} query tokens but seq_lens[{b}] = {seq_len}; "
                     "the queries are the last tokens of the context, so seq_len >= seqlen_q"
                 )
 
@@ -845,6 +877,7 @@ OPS = [
         reference=prefill_reference,
         description="flash-attention forward over packed variable-length sequences (causal bottom-right, GQA)",
         validate=validate_prefill,
+        check_values=check_prefill_values,
         dtypes=FLOAT_DTYPES,
         grad_inputs=(0, 1, 2),
     ),
@@ -860,6 +893,7 @@ OPS = [
         description="prefill attention reading cached context from a paged KV cache (vLLM layout, causal "
                     "bottom-right, GQA; forward only)",
         validate=validate_prefill_paged,
+        check_values=check_prefill_paged_values,
         dtypes=FLOAT_DTYPES,
     ),
     OpSpec(
@@ -874,6 +908,7 @@ OPS = [
         reference=decode_paged_reference,
         description="single-token decode attention over a paged KV cache (vLLM layout, GQA, split-K, fp8 KV option)",
         validate=validate_decode_paged,
+        check_values=check_decode_paged_values,
         dtypes=FLOAT_DTYPES,
     ),
 ]

@@ -247,15 +247,22 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
     if not isinstance(is_neox, bool):
         raise GraftInputError(f"fused.rotary_embedding: is_neox must be a bool, got {is_neox!r}")
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
-    if can_read_values(positions):
-        max_position = cos_sin_cache.shape[0]
-        lo, hi = torch.aminmax(positions)  # one pass; the details only when something is out of range
-        bad = positions[(positions < 0) | (positions >= max_position)] if lo < 0 or hi >= max_position else positions[:0]
-        if bad.numel():
-            raise GraftInputError(
-                f"fused.rotary_embedding: positions must lie in [0, max_position = {max_position}) "
-                f"(cos_sin_cache rows), got {int(bad[0])} ({bad.numel()} such positions)"
-            )
+    check_rotary_embedding_values(positions, cos_sin_cache)
+
+
+def check_rotary_embedding_values(positions, cos_sin_cache):
+    """fused.rotary_embedding's check of values (``OpSpec.check_values``): positions in range."""
+    if not can_read_values(positions):
+        return
+    max_position = cos_sin_cache.shape[0]
+    lo, hi = torch.aminmax(positions)  # one pass; the details only when something is out of range
+    if lo.item() >= 0 and hi.item() < max_position:
+        return
+    bad = positions[(positions < 0) | (positions >= max_position)]
+    raise GraftInputError(
+        f"fused.rotary_embedding: positions must lie in [0, max_position = {max_position}) "
+        f"(cos_sin_cache rows), got {int(bad[0])} ({bad.numel()} such positions)"
+    )
 
 
 # --------------------------------------------------------------------------- public entry points
@@ -322,6 +329,7 @@ OPS = [
         description="rotary position embedding, neox or GPT-J style, partial rotary (rot_dim <= head_size)",
         key_arg=1,
         validate=validate_rotary_embedding,
+        check_values=check_rotary_embedding_values,
         grad_inputs=(1, 2),
     ),
 ]

@@ -186,12 +186,22 @@ def validate_fused_linear_cross_entropy(x, weight, target, bias=None, ignore_ind
     if reduction not in REDUCTIONS:
         raise GraftInputError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     check_same_device(x=x, weight=weight, target=target, bias=bias)
-    if can_read_values(target):
-        vocab = weight.shape[0]
-        bad = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
-        if bad.numel():
-            raise GraftInputError(f"{op}: targets must lie in [0, V={vocab}) or equal ignore_index={ignore_index}, "
-                                  f"got {int(bad[0])} ({bad.numel()} such targets)")
+    check_fused_linear_cross_entropy_values(weight, target, ignore_index)
+
+
+def check_fused_linear_cross_entropy_values(weight, target, ignore_index=-100):
+    """loss.fused_linear_cross_entropy's check of values (``OpSpec.check_values``): targets
+    in the vocabulary or ``ignore_index``."""
+    if not can_read_values(target):
+        return
+    vocab = weight.shape[0]
+    lo, hi = torch.aminmax(target)  # one pass; targets equal to ignore_index (padding) need a second
+    if not (lo.item() >= 0 and hi.item() < vocab):
+        lo, hi = torch.aminmax(target.masked_fill(target == ignore_index, 0))
+        if not (lo.item() >= 0 and hi.item() < vocab):
+            bad = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
+            raise GraftInputError(f"loss.fused_linear_cross_entropy: targets must lie in [0, V={vocab}) or equal "
+                                  f"ignore_index={ignore_index}, got {int(bad[0])} ({bad.numel()} such targets)")
 
 
 def fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index: int = -100, reduction: str = "mean"):
@@ -208,6 +218,7 @@ OPS = [
         reference=fused_linear_cross_entropy_reference,
         description="output projection + cross-entropy (fp32 softmax), chunked so the [T, V] logits never exist",
         validate=validate_fused_linear_cross_entropy,
+        check_values=check_fused_linear_cross_entropy_values,
         grad_inputs=(0, 1, 3),
     ),
 ]

@@ -72,15 +72,30 @@ def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = Non
     check_tensor(f"{op}: topk_ids", topk_ids, dtypes=(torch.int32,), ndim=2)
     if num_tokens is not None and topk_ids.shape[0] != num_tokens:
         raise GraftInputError(f"{op}: topk_ids has {topk_ids.shape[0]} rows, expected {num_tokens} (one per token)")
-    if can_read_values(topk_ids):
-        lo, hi = torch.aminmax(topk_ids)  # one pass; the details only when something is out of range
-        out_of_range = lo < NOT_ON_RANK or hi >= num_experts
-        bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)] if out_of_range else topk_ids[:0]
-        if bad.numel():
-            raise GraftInputError(
-                f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}) or be {NOT_ON_RANK} "
-                f"(an expert on another rank), got {int(bad[0])} ({bad.numel()} such ids)"
-            )
+    _check_id_values(op, topk_ids, num_experts)
+
+
+def _check_id_values(op: str, topk_ids, num_experts: int) -> None:
+    if not can_read_values(topk_ids):
+        return
+    lo, hi = torch.aminmax(topk_ids)  # one pass; the details only when something is out of range
+    if lo.item() >= NOT_ON_RANK and hi.item() < num_experts:
+        return
+    bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)]
+    raise GraftInputError(
+        f"{op}: topk_ids must lie in [0, {num_experts}) (num_experts={num_experts}) or be {NOT_ON_RANK} "
+        f"(an expert on another rank), got {int(bad[0])} ({bad.numel()} such ids)"
+    )
+
+
+def check_fused_experts_values(w13, topk_ids):
+    """moe.fused_experts' check of values (``OpSpec.check_values``): expert ids in range."""
+    _check_id_values("moe.fused_experts", topk_ids, w13.shape[0])
+
+
+def check_fused_experts_fp8_values(w13_q, topk_ids):
+    """moe.fused_experts_fp8's check of values (``OpSpec.check_values``): expert ids in range."""
+    _check_id_values("moe.fused_experts_fp8", topk_ids, w13_q.shape[0])
 
 
 def valid_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -257,6 +272,9 @@ OPS = [
         reference=align_block_size_reference,
         description="group (token, slot) pairs by expert, padded per expert to a multiple of block_size",
         validate=validate_align_block_size,
+        # Its checks are all cheap or of values: a remembered signature runs them all (block_size
+        # and num_experts then matched by type only, and checked here).
+        check_values=validate_align_block_size,
         dtypes=(torch.int32,),
     ),
     OpSpec(
@@ -267,6 +285,7 @@ OPS = [
         reference=fused_experts_reference,
         description="grouped expert GEMMs with fused SiLU-and-mul and routing-weighted combine",
         validate=validate_fused_experts,
+        check_values=check_fused_experts_values,
         grad_inputs=(0, 1, 2, 3),
     ),
 ]
@@ -463,6 +482,7 @@ OPS += [
         reference=fused_experts_fp8_reference,
         description="DeepSeek-V3-style fp8 experts: 128x128 block-scaled weights, per-token-group fp8 activations",
         validate=validate_fused_experts_fp8,
+        check_values=check_fused_experts_fp8_values,
     ),
 ]
 
