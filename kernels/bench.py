@@ -549,10 +549,26 @@ def _moe_cases(quick: bool, backends) -> list:
             return impls, {"loop_over_experts(bf16)": lambda: _moe_loop(hidden, w13, w2, weights, ids)}
         return build
 
+    def build_act_quant(h, t):
+        def build(device, dtype):
+            import torch
+
+            from graft.kernels.triton.moe_fused_experts_fp8 import quantize_act_launch
+            from graft.quant import FP8_BLOCK, quantize_fp8_per_token_group
+
+            fmt = torch.float8_e4m3fnuz if _is_rocm() else torch.float8_e4m3fn
+            hidden = _randn((t, h), device, dtype, _gen(device))
+            return {"graft:triton": lambda: quantize_act_launch(hidden, fmt)}, {"torch ops (graft.quant)": lambda: quantize_fp8_per_token_group(hidden, FP8_BLOCK, fmt)}
+        return build
+
     cases = []
     for model, (e, top_k, h, inter) in models.items():
         for t in ts:
             tier = 0 if t in (1024, 5) else 1 if t == 64 else 2
+            # the fp8 MoE's activation quantization, twice a layer (a Triton launcher, not an op)
+            if model in ("deepseek_v3", "tiny") and (backends is None or "triton" in backends):
+                cases.append(Case("moe", f"{model}_fp8_act_quant_t{t}", dict(model=model, hidden=h, T=t, op="act_quant"),
+                                  build_act_quant(h, t), max(tier, 1), 0.0, t * h * 3.0 + t * h / 32.0))
             flops = 6.0 * t * top_k * h * inter
             touched = e * (1 - (1 - top_k / e) ** t)  # experts a uniform routing reaches (expected)
             cases.append(Case("moe", f"{model}_t{t}", dict(model=model, experts=e, top_k=top_k, hidden=h, inter=inter, T=t),

@@ -57,6 +57,30 @@ def test_fnuz_format_and_empty(device):
     assert F.fused_experts_fp8(*empty).shape == (0, 48)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # (inf / inf, interpreted)
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m, k", [(3, 128), (5, 300), (1, 1), (2, 1100), (0, 256), (2, 0)], ids=str)
+def test_activation_quantization_kernel_is_graft_quant(m, k, dtype, fmt, device):
+    """The one-launch per-token-group quantization gives graft.quant's codes and scales exactly:
+    odd widths (a partial last group), more groups than one program takes, empty, a transposed
+    (non-contiguous) input, an all-zero group (scale 1), and a group holding NaN and inf."""
+    from graft.kernels.triton.moe_fused_experts_fp8 import quantize_act_launch
+    from graft.quant import quantize_fp8_per_token_group
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3).to(dtype)
+    if m > 2 and k >= 128:
+        x[2, :128] = 0
+    if m > 1 and k > 200:
+        x[1, 130], x[1, 5] = float("nan"), float("inf")
+    for arg in (x, x.t().contiguous().t()):
+        q, scale = quantize_act_launch(arg.to(device), fmt)
+        want_q, want_scale = quantize_fp8_per_token_group(arg, 128, fmt)
+        assert q.dtype == fmt and q.shape == (m, k) and scale.shape == want_scale.shape
+        torch.testing.assert_close(q.cpu().float(), want_q.float(), atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(scale.cpu(), want_scale, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda a: (a[0], a[1].float(), *a[2:]), "w13_q has dtype float32"),
     (lambda a: (a[0], a[1], a[2].to(torch.float8_e4m3fnuz), *a[3:]), "w2_q dtype"),

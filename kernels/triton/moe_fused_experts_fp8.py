@@ -4,9 +4,11 @@ The pipeline of :mod:`graft.kernels.triton.moe_fused_experts` (align, GEMM 1 wit
 weighted GEMM 2 per slot, ordered combine; grouped tile order; no host sync) with fp8
 operands and block scales:
 
-* activations are quantized per token per 128 features (torch ops from
-  :mod:`graft.quant`, CUDA-graph safe): ``hidden`` before GEMM 1, the SiLU-and-mul rows
-  (rounded to hidden's dtype) before GEMM 2;
+* activations are quantized per token per 128 features by one kernel launch each
+  (``_quant_groups_kernel``, the same numbers as :func:`graft.quant.quantize_fp8_per_token_group`,
+  which took eight torch ops): ``hidden`` before GEMM 1, the SiLU-and-mul rows (rounded to
+  hidden's dtype) before GEMM 2. Not in GEMM 1's epilogue: a 128-feature group spans two of
+  its gate/up tiles, whose amax would need a second pass;
 * each K step is one 128-group (BLOCK_K divides 128): the fp8 MMA of the step goes into a
   fresh fp32 tile that is added to the accumulator times ``x_scale[row, g] *
   w_scale[e, col // 128, g]``, so every partial product is scaled exactly once.
@@ -127,6 +129,51 @@ def _down_fp8_kernel(
     tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _quant_groups_kernel(
+    x_ptr, q_ptr, s_ptr, cols, num_groups, stride_xm, stride_xk, stride_qm, stride_sm,
+    FP8_MAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_G groups of one row: scale = amax / FP8_MAX (1 where amax is 0 or a group holds
+    a NaN, as torch.where(amax > 0, ...) decides for a NaN amax), q = clamp(x / scale) in fp8.
+    IEEE division (div_rn): Triton's ``/`` on fp32 is the approximate one on GPUs."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    k = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = k < cols
+    x = tl.load(x_ptr + row * stride_xm + k * stride_xk, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    scale = tl.where((amax > 0) & ~has_nan, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))  # (NaN stays NaN, as in torch.clamp)
+    tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + groups, scale, mask=groups < num_groups)
+
+
+QUANT_GROUPS_PER_PROGRAM = 8  # 8 x 128 features a program: 56 groups of a 7168 hidden in 7 programs
+
+
+def quantize_act_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
+    """``x [M, K]`` (any strides) -> ``(q [M, K] fp8, scale [M, ceil(K / 128)] fp32)``, contiguous."""
+    from graft.quant import FP8_BLOCK, fp8_max
+
+    rows, cols = x.shape
+    num_groups = triton.cdiv(cols, FP8_BLOCK)
+    # Interpreted, the kernel writes the clamped fp32 values and torch rounds them to fp8: the
+    # interpreter's own fp32 -> fp8e4nv conversion is wrong near the top of a binade (124.3 -> 64).
+    interpreted = triton_interpret()
+    q = torch.empty((rows, cols), dtype=torch.float32 if interpreted else fp8_dtype, device=x.device)
+    scale = torch.empty((rows, num_groups), dtype=torch.float32, device=x.device)
+    if q.numel():
+        block_g = min(QUANT_GROUPS_PER_PROGRAM, triton.next_power_of_2(num_groups))
+        _quant_groups_kernel[(rows, triton.cdiv(num_groups, block_g))](
+            x, q, scale, cols, num_groups, x.stride(0), x.stride(1), q.stride(0), scale.stride(0),
+            FP8_MAX=fp8_max(fp8_dtype), GROUP=FP8_BLOCK, BLOCK_G=block_g,
+        )
+    return (q.to(fp8_dtype) if interpreted else q), scale
+
+
 def launch_config(num_slots: int, num_experts: int, device) -> dict:
     table = tile_config(TILES, device)
     return dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
@@ -136,8 +183,6 @@ def _fused_experts_fp8(
     hidden: torch.Tensor, w13_q: torch.Tensor, w2_q: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
 ) -> torch.Tensor:
-    from graft.ops.moe import quantize_act
-
     num_tokens, hidden_size = hidden.shape
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
@@ -151,7 +196,7 @@ def _fused_experts_fp8(
     with on_device(hidden.device):
         sorted_ids, expert_ids, post_pad = align_block_size_launch(topk_ids, block_m, num_experts)
         max_blocks = expert_ids.numel()
-        x_q, x_s = quantize_act(hidden, w13_q.dtype)
+        x_q, x_s = quantize_act_launch(hidden, w13_q.dtype)
         act = torch.empty((num_slots, inter), dtype=hidden.dtype, device=hidden.device)
         gate_n = block_n // 2
         n_tiles = triton.cdiv(inter, gate_n)
@@ -163,7 +208,7 @@ def _fused_experts_fp8(
             w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), act.stride(0), act.stride(1),
             BLOCK_M=block_m, BLOCK_N=gate_n, BLOCK_K=block_k, GROUP_M=group_m, **flags,
         )  # fmt: skip
-        a_q, a_s = quantize_act(act, w2_q.dtype)
+        a_q, a_s = quantize_act_launch(act, w2_q.dtype)
         slot_out = torch.empty((num_slots, hidden_size), dtype=slot_dtype(hidden.dtype), device=hidden.device)
         n_tiles = triton.cdiv(hidden_size, block_n)
         _down_fp8_kernel[(max_blocks * n_tiles,)](
@@ -216,9 +261,14 @@ def _aot_variants():
     """Per target: both GEMMs for the "large" and "small" tiles, bf16 activations; fp8 e4m3
     is fp8e4nv on sm_90 and the fnuz fp8e4b8 on gfx942."""
     fp8_type = {"sm_90": "*fp8e4nv", "gfx942": "*fp8e4b8"}
+    fp8_max = {"sm_90": 448.0, "gfx942": 240.0}
     routing = dict(sorted_ptr="*i32", expert_ids_ptr="*i32", post_pad_ptr="*i32")
     for target, table in per_target(TILES):
         fp8 = fp8_type[target]
+        # hidden (7168 = 56 groups) quantized before GEMM 1
+        yield variant(_quant_groups_kernel, dict(FP8_MAX=fp8_max[target], GROUP=128, BLOCK_G=QUANT_GROUPS_PER_PROGRAM),
+                      pointer="*bf16", targets=(target,), q_ptr=fp8, s_ptr="*fp32",
+                      values=dict(cols=7168, num_groups=56, stride_xm=7168, stride_xk=1, stride_qm=7168, stride_sm=56))
         for size in ("large", "small"):
             blocks, options = split_tiles(table[size])
             flags = dict(UPCAST=False, BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"], GROUP_M=blocks["GROUP_M"])
