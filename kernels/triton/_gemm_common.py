@@ -1,5 +1,8 @@
-"""Pieces shared by the Triton GEMM kernels: tile order, epilogue activations, the one tile
-table (per architecture generation and M range), split-K sizing and its deterministic reduce.
+"""Pieces shared by the Triton GEMM kernels (linear, W8A8, W4A16, fp8): tile order, the
+prologue (this program's tile and K split, the int64 operand pointers and their K step),
+epilogue activations and store, the one tile table (per architecture generation and M
+range), split-K sizing and its deterministic reduce. Each kernel keeps only its own loads,
+dequantisation and scaling.
 
 Design (why the pieces look the way they do):
 
@@ -230,6 +233,43 @@ def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.
     band_rows = tl.minimum(tiles_m - band_start, GROUP_M)
     within = pid - band * per_band
     return band_start + within % band_rows, within // band_rows
+
+
+@triton.jit
+def split_tile(M, N, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile and K split, the prologue every GEMM kernel starts from:
+    ``(k_start, rows, cols, row_ok, col_ok)`` (grid: tiles along axis 0, K splits along 1)."""
+    tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.program_id(1) * K_PER_SPLIT, rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def a_tile_ptrs(x_ptr, rows, k_start, stride_m, stride_k, BLOCK_K: tl.constexpr):
+    """Pointers to the split's first ``[rows, BLOCK_K]`` tile of A, and the step to the next.
+    int64 offsets: M * stride (and K * stride for a transposed operand) can pass 2^31."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_m + ks.to(tl.int64)[None, :] * stride_k
+    return ptrs, tl.cast(stride_k, tl.int64) * BLOCK_K
+
+
+@triton.jit
+def b_tile_ptrs(w_ptr, cols, k_start, stride_n, stride_k, BLOCK_K: tl.constexpr):
+    """The same for the ``[BLOCK_K, cols]`` tiles of B (a weight [N, K] through its strides)."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_n + ks.to(tl.int64)[:, None] * stride_k
+    return ptrs, tl.cast(stride_k, tl.int64) * BLOCK_K
+
+
+@triton.jit
+def load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, ZERO: tl.constexpr):
+    """One K step's A and B tiles; what lies past M, N or K loads as ZERO (0 for integer
+    operands, 0.0 for float ones: the interpreter casts neither across) and adds nothing
+    (the last split's steps past K load nothing at all)."""
+    a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=ZERO)
+    b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=ZERO)
+    return a, b
 
 
 @triton.jit

@@ -29,13 +29,16 @@ from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._gemm_common import (
     SM_COUNT,
+    a_tile_ptrs,
+    b_tile_ptrs,
     gemm_plan,
     launch_options,
+    load_tiles,
+    split_tile,
     splitk_reduce,
     splitk_workspace,
     store_tile,
     tile_constexprs,
-    tile_coords,
 )
 from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 
@@ -55,17 +58,10 @@ def _fp8_kernel(
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks).to(tl.int64)[:, None] * stride_wk
-    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
-    w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
+    x_ptrs, x_step = a_tile_ptrs(x_ptr, rows, k_start, stride_xm, stride_xk, BLOCK_K)
+    w_ptrs, w_step = b_tile_ptrs(w_ptr, cols, k_start, stride_wn, stride_wk, BLOCK_K)
     xs_rows = xs_ptr + rows.to(tl.int64) * stride_xs_m
     ws_cols = ws_ptr + (cols // 128).to(tl.int64) * stride_ws_n  # 128: SCALE_BLOCK (blockwise only)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -74,8 +70,7 @@ def _fp8_kernel(
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = k_start + kk
         k_ok = ks < K - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -24,14 +24,17 @@ from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
     SM_COUNT,
+    a_tile_ptrs,
+    b_tile_ptrs,
     gemm_plan,
     launch_options,
+    load_tiles,
     reduce_aot_variants,
+    split_tile,
     splitk_reduce,
     splitk_workspace,
     store_tile,
     tile_constexprs,
-    tile_coords,
 )
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -52,26 +55,17 @@ def _linear_kernel(
 ):  # fmt: skip
     """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T);
     ACCUMULATE: y += (in y's dtype, fp32 for a gradient summed over chunks)."""
-    tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    # int64 offsets: M * stride (and K * stride for a transposed operand) can pass 2^31.
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks).to(tl.int64)[:, None] * stride_wk
-    step_x = tl.cast(stride_xk, tl.int64) * BLOCK_K
-    step_w = tl.cast(stride_wk, tl.int64) * BLOCK_K
+    x_ptrs, step_x = a_tile_ptrs(x_ptr, rows, k_start, stride_xm, stride_xk, BLOCK_K)
+    w_ptrs, step_w = b_tile_ptrs(w_ptr, cols, k_start, stride_wn, stride_wk, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
     # values); the last split's steps past K load nothing (masked) and add zero.
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = k_start + kk
         k_ok = ks < K - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0)
         acc = dot_acc(a, b, acc, UPCAST, PRECISION)
         x_ptrs += step_x
         w_ptrs += step_w

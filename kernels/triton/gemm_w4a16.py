@@ -27,8 +27,10 @@ from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
     SM_COUNT,
+    a_tile_ptrs,
     gemm_plan,
     launch_options,
+    split_tile,
     splitk_reduce,
     splitk_workspace,
     store_tile,
@@ -52,13 +54,8 @@ def _w4a16_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
     nibble = tl.arange(0, 8)
     # AWQ puts column j of a pack of 8 in nibble (j // 2) + 4 * (j % 2); GPTQ in nibble j.
     awq_shift = ((nibble // 2) + 4 * (nibble % 2)) * 4
@@ -67,8 +64,9 @@ def _w4a16_kernel(
         zero_shift = ((lane // 2) + 4 * (lane % 2)) * 4
     else:
         zero_shift = lane * 4
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
+    x_ptrs, x_step = a_tile_ptrs(x_ptr, rows, k_start, stride_xm, stride_xk, BLOCK_K)
     if AWQ:  # qweight [K, N/8]: BLOCK_K rows of BLOCK_N/8 words
+        tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)[1]  # (split_tile's own: computed once)
         wcols = tile_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         wcol_ok = wcols < tl.cdiv(N, 8)
         q_ptrs = qw_ptr + (k_start + ks).to(tl.int64)[:, None] * stride_qk + wcols[None, :] * stride_qn
@@ -77,7 +75,6 @@ def _w4a16_kernel(
         wks = tl.arange(0, BLOCK_K // 8)
         q_ptrs = qw_ptr + (k_start // 8 + wks).to(tl.int64)[:, None] * stride_qk + cols.to(tl.int64)[None, :] * stride_qn
         q_step = tl.cast(stride_qk, tl.int64) * (BLOCK_K // 8)
-    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
     # values); the last split's steps past K load nothing (masked) and add zero.

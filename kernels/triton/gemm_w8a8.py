@@ -23,7 +23,16 @@ import triton.language as tl
 from graft.custom_ops import define_op
 from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
-from graft.kernels.triton._gemm_common import SM_COUNT, gemm_plan, launch_options, tile_constexprs, tile_coords
+from graft.kernels.triton._gemm_common import (
+    SM_COUNT,
+    a_tile_ptrs,
+    b_tile_ptrs,
+    gemm_plan,
+    launch_options,
+    load_tiles,
+    split_tile,
+    tile_constexprs,
+)
 
 # Tiles: the shared GEMM table (graft.kernels.triton._gemm_common) at 1-byte operands.
 
@@ -37,25 +46,16 @@ def _w8a8_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    tile_m, tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
-    # int64 offsets: M * stride (and K * stride for a transposed operand) can pass 2^31.
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k_start + ks).to(tl.int64)[None, :] * stride_xk
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + (k_start + ks).to(tl.int64)[:, None] * stride_wk
-    step_x = tl.cast(stride_xk, tl.int64) * BLOCK_K
-    step_w = tl.cast(stride_wk, tl.int64) * BLOCK_K
+    x_ptrs, step_x = a_tile_ptrs(x_ptr, rows, k_start, stride_xm, stride_xk, BLOCK_K)
+    w_ptrs, step_w = b_tile_ptrs(w_ptr, cols, k_start, stride_wn, stride_wk, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     # Trip count from arguments only (Triton 3.6's interpreter cannot range over program_id
     # values); the last split's steps past K load nothing (masked) and add zero.
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_ok = ks < K - (k_start + kk)
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         x_ptrs += step_x
         w_ptrs += step_w

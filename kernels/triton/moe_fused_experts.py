@@ -87,6 +87,46 @@ def _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M: tl.conste
 
 
 @triton.jit
+def expert_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_slots, n,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The prologue of both expert GEMMs (bf16 and fp8): M block pid_m's slots, their
+    expert, and N tile pid_n's columns below ``n``: ``(slot, row_ok, expert, cols, col_ok)``."""
+    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slot, row_ok, expert, cols, cols < n
+
+
+@triton.jit
+def gate_up_ptrs(x_ptr, w13_ptr, slot, top_k, expert, cols, inter, stride_xt, stride_we, stride_wn):
+    """GEMM 1's operand bases: the token rows of x, the gate and the up columns of w13
+    (gate rows [0, inter), up rows [inter, 2 * inter)); returns ``(token, x_rows, gate, up)``."""
+    token = (slot // top_k).to(tl.int64)
+    w_base = w13_ptr + expert * stride_we
+    gate = w_base + cols[None, :].to(tl.int64) * stride_wn
+    up = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    return token, x_ptr + token[:, None] * stride_xt, gate, up
+
+
+@triton.jit
+def store_silu_and_mul(acc_gate, acc_up, act_ptr, slot, cols, row_ok, col_ok, stride_as, stride_ai):
+    """GEMM 1's epilogue: SiLU(gate) * up, one row per slot, in act's dtype."""
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
+    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def store_weighted(acc, slot_out_ptr, weights_ptr, slot64, cols, row_ok, col_ok, top_k,
+                   stride_rt, stride_rk, stride_os, stride_oh):  # fmt: skip
+    """GEMM 2's epilogue: each slot's row times its routing weight, into its own slot row
+    (the combine sums a token's slots in a fixed order)."""
+    route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
+    acc = acc * route_w.to(tl.float32)[:, None]
+    out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
+    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
     num_slots, top_k, hidden_size, inter, num_m_blocks, num_n_tiles,
@@ -97,14 +137,10 @@ def _gate_up_kernel(
     pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
-    token = (slot // top_k).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    x_rows = x_ptr + token[:, None] * stride_xt
-    w_base = w13_ptr + expert * stride_we
-    gate_cols = w_base + cols[None, :].to(tl.int64) * stride_wn
-    up_cols = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
+    slot, row_ok, expert, cols, col_ok = expert_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_slots, inter,
+                                                     BLOCK_M, BLOCK_N)
+    _, x_rows, gate_cols, up_cols = gate_up_ptrs(x_ptr, w13_ptr, slot, top_k, expert, cols, inter, stride_xt,
+                                                 stride_we, stride_wn)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -116,9 +152,7 @@ def _gate_up_kernel(
         w_up = tl.load(up_cols + ks[:, None] * stride_wh, mask=w_mask, other=0.0)
         acc_gate = dot_acc(x, w_gate, acc_gate, UPCAST, PRECISION)
         acc_up = dot_acc(x, w_up, acc_up, UPCAST, PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU-and-mul epilogue
-    out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_silu_and_mul(acc_gate, acc_up, act_ptr, slot, cols, row_ok, col_ok, stride_as, stride_ai)
 
 
 @triton.jit
@@ -133,10 +167,9 @@ def _down_kernel(
     pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    slot, row_ok, expert, cols, col_ok = expert_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_slots, hidden_size,
+                                                     BLOCK_M, BLOCK_N)
     slot64 = slot.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden_size
     a_rows = act_ptr + slot64[:, None] * stride_as
     w_cols = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wh
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -148,10 +181,8 @@ def _down_kernel(
         if ACT_F32:
             w = w.to(tl.float32)
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
-    route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
-    acc = acc * route_w.to(tl.float32)[:, None]
-    out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(acc, slot_out_ptr, weights_ptr, slot64, cols, row_ok, col_ok, top_k, stride_rt, stride_rk,
+                   stride_os, stride_oh)
 
 
 @triton.jit

@@ -26,7 +26,16 @@ from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
-from graft.kernels.triton.moe_fused_experts import COMBINE_BLOCK_H, SMALL_ROWS_PER_EXPERT, _block_rows, _combine_kernel, _grouped_tile
+from graft.kernels.triton.moe_fused_experts import (
+    COMBINE_BLOCK_H,
+    SMALL_ROWS_PER_EXPERT,
+    _combine_kernel,
+    _grouped_tile,
+    expert_tile,
+    gate_up_ptrs,
+    store_silu_and_mul,
+    store_weighted,
+)
 from graft.kernels.triton.moe_fused_experts import DOWN_VALUES as _DOWN_VALUES
 from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VALUES
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
@@ -54,15 +63,11 @@ def _gate_up_fp8_kernel(
     pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
-    token = (slot // top_k).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    x_rows = x_ptr + token[:, None] * stride_xt
+    slot, row_ok, expert, cols, col_ok = expert_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_slots, inter,
+                                                     BLOCK_M, BLOCK_N)
+    token, x_rows, gate_cols, up_cols = gate_up_ptrs(x_ptr, w13_ptr, slot, top_k, expert, cols, inter, stride_xt,
+                                                     stride_we, stride_wn)
     xs_rows = xs_ptr + token * stride_xst
-    w_base = w13_ptr + expert * stride_we
-    gate_cols = w_base + cols[None, :].to(tl.int64) * stride_wn
-    up_cols = w_base + (cols[None, :] + inter).to(tl.int64) * stride_wn
     s_base = ws_ptr + expert * stride_se
     gate_scales = s_base + (cols // 128) * stride_sn  # 128: the scale block
     up_scales = s_base + ((cols + inter) // 128) * stride_sn
@@ -85,9 +90,7 @@ def _gate_up_fp8_kernel(
         u_scale = tl.load(up_scales + group * stride_sg, mask=col_ok, other=0.0)[None, :]
         acc_gate += tl.dot(x, w_gate, out_dtype=tl.float32) * (x_scale * g_scale)
         acc_up += tl.dot(x, w_up, out_dtype=tl.float32) * (x_scale * u_scale)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU-and-mul epilogue
-    out = act_ptr + slot[:, None].to(tl.int64) * stride_as + cols[None, :] * stride_ai
-    tl.store(out, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_silu_and_mul(acc_gate, acc_up, act_ptr, slot, cols, row_ok, col_ok, stride_as, stride_ai)
 
 
 @triton.jit
@@ -102,10 +105,9 @@ def _down_fp8_kernel(
     pid_m, pid_n = _grouped_tile(num_m_blocks, num_n_tiles, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
         return
-    slot, row_ok, expert = _block_rows(pid_m, sorted_ptr, expert_ids_ptr, num_slots, BLOCK_M)
+    slot, row_ok, expert, cols, col_ok = expert_tile(pid_m, pid_n, sorted_ptr, expert_ids_ptr, num_slots, hidden_size,
+                                                     BLOCK_M, BLOCK_N)
     slot64 = slot.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden_size
     a_rows = a_ptr + slot64[:, None] * stride_as
     as_rows = as_ptr + slot64 * stride_ass
     w_cols = w2_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wh
@@ -123,10 +125,8 @@ def _down_fp8_kernel(
         a_scale = tl.load(as_rows + group * stride_asg, mask=row_ok, other=0.0)[:, None]
         w_scale = tl.load(s_cols + group * stride_sg, mask=col_ok, other=0.0)[None, :]
         acc += tl.dot(a, w, out_dtype=tl.float32) * (a_scale * w_scale)
-    route_w = tl.load(weights_ptr + (slot64 // top_k) * stride_rt + (slot64 % top_k) * stride_rk, mask=row_ok, other=0.0)
-    acc = acc * route_w.to(tl.float32)[:, None]
-    out = slot_out_ptr + slot64[:, None] * stride_os + cols[None, :] * stride_oh
-    tl.store(out, acc.to(slot_out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_weighted(acc, slot_out_ptr, weights_ptr, slot64, cols, row_ok, col_ok, top_k, stride_rt, stride_rk,
+                   stride_os, stride_oh)
 
 
 @triton.jit
