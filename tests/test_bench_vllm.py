@@ -101,6 +101,27 @@ def test_argument_errors_name_the_bad_value(argv, message, monkeypatch):
         bench.run(args)
 
 
+@pytest.mark.parametrize("argv, want", [
+    ([], ["without", "with", "attention", "attention_only"]),  # README's command: no table, no tuned variants
+    (["--variants", "attention"], ["attention"]),
+])
+def test_default_variants_run_without_a_table(argv, want):
+    from graft.cli import build_parser
+
+    args = build_parser("bench").parse_args(["bench", "vllm", "--quick", *argv])
+    assert bench.chosen_variants(args) == (want, None)
+
+
+def test_a_table_adds_the_tuned_variants(tmp_path):
+    from graft.cli import build_parser
+    from graft.tuning import FORMAT
+
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"format": FORMAT, "entries": []}))
+    args = build_parser("bench").parse_args(["bench", "vllm", "--variants", "with", "--tuning-table", str(table)])
+    assert bench.chosen_variants(args) == (["with", "tuned", "tuned_attention"], str(table.resolve()))
+
+
 def test_refuses_a_vllm_that_cannot_run_a_model_here():
     """The main environment's vLLM is the CUDA wheel: importable, no platform on this machine."""
     pytest.importorskip("vllm")

@@ -366,15 +366,11 @@ def check_vllm_runs() -> None:
                                f"({type(current_platform).__name__}); {hint}")
 
 
-def run(args) -> int:
-    from graft.bench.vllm_engine import WORKLOADS
-
-    check_vllm_runs()
+def chosen_variants(args) -> tuple:
+    """``(variants, tuning table path or None)`` from --variants and --tuning-table: the tuned
+    variants run only with a table (added to the default set when one is given; named
+    without one, a GraftConfigError)."""
     variants = choose(args.variants, VARIANTS, "--variants", "variants")
-    workloads = choose(args.workloads, WORKLOADS, "--workloads", "workloads")
-    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
-    if rounds < 1:
-        raise GraftConfigError(f"--rounds must be >= 1, got {rounds}")
     table = args.tuning_table
     if table is not None:
         from graft.tuning import load
@@ -385,11 +381,23 @@ def run(args) -> int:
             variants = [v for v in variants if v not in TUNED] + list(TUNED)
         elif not any(v in TUNED for v in variants):
             variants += list(TUNED)
-    elif any(v in TUNED for v in variants):
+    elif args.variants is not None and any(v in TUNED for v in variants):
         raise GraftConfigError(f"--variants {','.join(v for v in variants if v in TUNED)} read a tuning table: "
                                "give one with --tuning-table FILE")
-    else:
+    else:  # the default set without a table: every variant but the tuned ones
         variants = [v for v in variants if v not in TUNED]
+    return variants, table
+
+
+def run(args) -> int:
+    from graft.bench.vllm_engine import WORKLOADS
+
+    check_vllm_runs()
+    variants, table = chosen_variants(args)
+    workloads = choose(args.workloads, WORKLOADS, "--workloads", "workloads")
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
+    if rounds < 1:
+        raise GraftConfigError(f"--rounds must be >= 1, got {rounds}")
     model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / "graft-bench-vllm-llama")
 
     def progress(line):
