@@ -252,3 +252,34 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     assert "scalar loads" in _aot.fast_path_problems(narrow, big, "sm_90")[0]
     assert _aot.fast_path_problems(narrow, big, "sm_90", aligned=False) == []
     assert "scalar loads" in _aot.fast_path_problems({"mma": "mfma", "copy": "narrow"}, big, "gfx942")[0]
+
+
+def test_w4a16_dequantises_without_int_to_float_conversions(tmp_path):
+    """W4A16's codes become floats by the magic-number bit trick (gemm_w4a16._codes_as), not an
+    int-to-float conversion per weight element: the compiled code for sm_90 has none at all
+    (it had 64 per K step of a 64x128 tile) and gfx942's keeps only the few scalar ones outside
+    the tile (3-4; it had 35-68)."""
+    code = textwrap.dedent('''
+        import re
+        from graft.kernels.triton import _aot, gemm_w4a16
+        seen = set()
+        for v in gemm_w4a16.AOT_VARIANTS:
+            key = (v.targets[0], v.pointer, v.constexprs["AWQ"])
+            if key in seen or v.pointer == "*fp32" or v.constexprs["BLOCK_M"] != 16:
+                continue
+            seen.add(key)
+            compiled = _aot.compile_variant(v, v.targets[0])
+            if v.targets[0] == "sm_90":
+                n = len(re.findall(r"cvt\\.rn\\.(?:f16|bf16|f32)\\.s32", compiled.asm["ptx"]))
+            else:
+                n = len(re.findall(r"v_cvt_f(?:32|16)_[iu](?:32|16)", compiled.asm["amdgcn"]))
+            print("I2F", v.targets[0], v.pointer, v.constexprs["AWQ"], n)
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], env=_aot_env(tmp_path), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = [line.split() for line in proc.stdout.splitlines() if line.startswith("I2F")]
+    assert {(c[1], c[2]) for c in counts} >= {("sm_90", "*fp16"), ("sm_90", "*bf16"), ("gfx942", "*fp16"),
+                                              ("gfx942", "*bf16")}, proc.stdout
+    for _, target, pointer, awq, n in counts:
+        assert int(n) <= (0 if target == "sm_90" else 4), (target, pointer, awq, n)

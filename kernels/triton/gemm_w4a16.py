@@ -3,9 +3,10 @@
 Each K step loads every int32 word of a BLOCK_K x BLOCK_N tile of 4-bit codes exactly once
 (``[BLOCK_K/8, BLOCK_N]`` words for GPTQ, packed along K; ``[BLOCK_K, BLOCK_N/8]`` for AWQ,
 packed along N), pulls the 8 nibbles out with one broadcast shift in registers and reshapes
-to the ``[BLOCK_K, BLOCK_N]`` code tile (layouts in :mod:`graft.quant`). The group's zero
-points and scales are folded into that tile, ``w = (q - zero) * scale`` in the activation
-dtype, before the MMA, so the MMA accumulates the finished product in fp32 (no per-step
+to the ``[BLOCK_K, BLOCK_N]`` code tile (layouts in :mod:`graft.quant`). The codes become
+floats without int-to-float conversions (a magic-number bit trick, :func:`_codes_as`). The
+group's zero points and scales are folded into that tile, ``w = (q - zero) * scale`` in the
+activation dtype, before the MMA, so the MMA accumulates the finished product in fp32 (no per-step
 rescaling of the accumulator). BLOCK_K divides group_size, so one K step never straddles
 two groups and scale/zero are one row vector per step; that needs group_size to be a
 multiple of 16 (the smallest tl.dot K): other group sizes fall back. Tiles and split-K come
@@ -39,6 +40,20 @@ from graft.kernels.triton._gemm_common import (
 )
 
 _MIN_DOT_K = 16
+
+
+@triton.jit
+def _codes_as(q, like):
+    """4-bit codes (int32, 0..15) as ``m + q`` in like's float dtype, without an int-to-float
+    conversion (I2F runs at a quarter of the FP rate on Hopper, once per weight element): the
+    code ORed into the mantissa of a power of two m whose ulp is 1 (fp16 1024 = 0x6400, bf16
+    128 = 0x4300, fp32 2^23 = 0x4B000000) and the bits reinterpreted, as Marlin's dequant does."""
+    if like.dtype == tl.float16:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    elif like.dtype == tl.bfloat16:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -103,8 +118,10 @@ def _w4a16_kernel(
                 zero += 1  # GPTQ (AutoGPTQ v1) stores zero - 1
         else:
             zero = tl.full((BLOCK_N,), 8, dtype=tl.int32)
-        # Scales and zeros folded into the tile: the MMA sees the dequantized weight.
-        w = (q - zero[None, :]).to(a.dtype) * scale.to(a.dtype)[None, :]
+        # Scales and zeros folded into the tile: the MMA sees the dequantized weight. The codes
+        # become floats by a bit trick, not an int-to-float conversion per element (see
+        # _codes_as); (m + q) - (m + zero) is q - zero exactly, so the tile is as before.
+        w = (_codes_as(q, a) - _codes_as(zero, a)[None, :]) * scale.to(a.dtype)[None, :]
         acc = dot_acc(a, w, acc, UPCAST, PRECISION)
         x_ptrs += x_step
         q_ptrs += q_step
