@@ -437,8 +437,9 @@ def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, so
     device = query.device
     pos = torch.arange(longest, device=device)
     blocks = block_tables[:, pos // block_size].long()  # [N, tokens]
-    visible = (pos[None, :] < lens[:, None]) & (blocks >= 0) & (blocks < num_blocks)
-    blocks = blocks.clamp(0, num_blocks - 1)  # masked tokens read a valid block, never outside the cache
+    clamped = blocks.clamp(0, num_blocks - 1)  # masked tokens read a valid block, never outside the cache
+    visible = (pos[None, :] < lens[:, None]) & (clamped == blocks)  # (== : the entry was in range)
+    blocks = clamped
     slots = pos % block_size
     pair = _kv_tokens_of(key_cache, value_cache, blocks, slots, k_scale, v_scale)
     if pair is not None:  # vLLM's layout: each token's key and value side by side, one gather
@@ -451,7 +452,8 @@ def decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens, so
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [N, KVH, group, tokens]: GQA without repeating K/V
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     # A row that sees no key (all masked, or every key -inf) outputs zeros, as in the reference.
-    row_empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    # (amax == -inf: the same rows as isneginf(...).all(), NaN rows included, in one reduction)
+    row_empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
     probs = torch.softmax(scores.masked_fill(row_empty, 0.0), dim=-1).masked_fill(row_empty, 0.0)
     return torch.matmul(probs, v).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
