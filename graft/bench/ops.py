@@ -16,7 +16,8 @@ Two measurements per op, each interleaved (medians of per-round differences):
   host takes back up to a third of its time, figures vary by up to 2x between runs).
   Measured with value checks off (the GPU default: each is a device sync there) and, as
   ``overhead_with_value_checks_us``, on (the CPU default: checks that read tensor values,
-  such as cu_seqlens or expert ids, run on every call).
+  such as cu_seqlens or expert ids, run on every call: only those, an op's ``check_values``,
+  once its signature is remembered).
 * ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
   directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
   the kernel's noise.
@@ -154,8 +155,8 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
             row["vs_framework_us"] = real.difference("public" if public is not None else "graft", "framework") * 1e6
         rows.append(row)
         measured.append((row, args, kwargs, output))
-    # graft's own cost, every op at once (see the module doc); the value-check mode validates
-    # some ops in full on every call (tens of us), so it gets fewer rounds.
+    # graft's own cost, every op at once (see the module doc); the value-check mode reads
+    # tensor values on every call (up to about 15 us), so it gets fewer rounds.
     for checks, key, n_rounds, n_inner in (("0", "overhead_us", stub_rounds, stub_inner),
                                            ("1", "overhead_with_value_checks_us", max(stub_rounds // 5, 15),
                                             max(stub_inner // 2, 10))):
