@@ -100,6 +100,13 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor  # noqa: E40
 _value_check_cache: list = [None, (True, False)]  # [generation, (on CPU, on GPUs)]
 
 
+def values_in_range(t: torch.Tensor, low, high) -> bool:
+    """Whether every value of ``t`` lies in ``[low, high)``: one aminmax pass, the common case
+    of a value check (a caller finds the offending values only when this is False)."""
+    lo, hi = torch.aminmax(t)
+    return lo.item() >= low and hi.item() < high
+
+
 def _value_checks() -> tuple:
     snap = config.current()
     if _value_check_cache[0] != snap.generation:

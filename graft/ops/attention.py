@@ -90,7 +90,7 @@ from graft.custom_ops import no_double_backward
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_same_dtype, check_tensor,
-                                 checks_values_on)
+                                 checks_values_on, values_in_range)
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -796,8 +796,7 @@ def _check_paged_values(op, key_cache, block_tables, seq_lens) -> list:
         return lens  # no sequence uses a block
     # The common case in one pass: every entry of the table, used or not, names a block.
     # Only otherwise are the entries the sequences use told apart (stale or padding ones may be anything).
-    b_lo, b_hi = torch.aminmax(block_tables)
-    if b_lo.item() >= 0 and b_hi.item() < num_blocks:
+    if values_in_range(block_tables, 0, num_blocks):
         return lens
     used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
         (seq_lens.long() + block_size - 1) // block_size

@@ -32,7 +32,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, can_read_values, check_same_device, check_tensor, checks_values_on
+from graft.ops._validate import acc, can_read_values, check_same_device, check_tensor, checks_values_on, values_in_range
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -255,8 +255,7 @@ def check_rotary_embedding_values(positions, cos_sin_cache):
     if not can_read_values(positions):
         return
     max_position = cos_sin_cache.shape[0]
-    lo, hi = torch.aminmax(positions)  # one pass; the details only when something is out of range
-    if lo.item() >= 0 and hi.item() < max_position:
+    if values_in_range(positions, 0, max_position):
         return
     bad = positions[(positions < 0) | (positions >= max_position)]
     raise GraftInputError(

@@ -17,7 +17,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor
+from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor, values_in_range
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -195,10 +195,9 @@ def check_fused_linear_cross_entropy_values(weight, target, ignore_index=-100):
     if not can_read_values(target):
         return
     vocab = weight.shape[0]
-    lo, hi = torch.aminmax(target)  # one pass; targets equal to ignore_index (padding) need a second
-    if not (lo.item() >= 0 and hi.item() < vocab):
-        lo, hi = torch.aminmax(target.masked_fill(target == ignore_index, 0))
-        if not (lo.item() >= 0 and hi.item() < vocab):
+    # One pass; targets equal to ignore_index (padding) need a second
+    if not values_in_range(target, 0, vocab):
+        if not values_in_range(target.masked_fill(target == ignore_index, 0), 0, vocab):
             bad = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
             raise GraftInputError(f"loss.fused_linear_cross_entropy: targets must lie in [0, V={vocab}) or equal "
                                   f"ignore_index={ignore_index}, got {int(bad[0])} ({bad.numel()} such targets)")

@@ -47,7 +47,8 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor, checks_values_on
+from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_tensor, checks_values_on,
+                                 values_in_range)
 from graft.quant import FP8_BLOCK, dequantize_fp8, quantize_fp8_block, quantize_fp8_per_token_group
 from graft.registry import OpSpec
 
@@ -78,8 +79,7 @@ def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = Non
 def _check_id_values(op: str, topk_ids, num_experts: int) -> None:
     if not can_read_values(topk_ids):
         return
-    lo, hi = torch.aminmax(topk_ids)  # one pass; the details only when something is out of range
-    if lo.item() >= NOT_ON_RANK and hi.item() < num_experts:
+    if values_in_range(topk_ids, NOT_ON_RANK, num_experts):
         return
     bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)]
     raise GraftInputError(

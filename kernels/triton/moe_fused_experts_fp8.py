@@ -41,6 +41,7 @@ from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VA
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
 from graft.kernels.triton.moe_fused_experts import slot_dtype
 from graft.platform import device_info, fp8_flavour_reason, triton_interpret
+from graft.quant import FP8_BLOCK, fp8_max
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -156,8 +157,6 @@ QUANT_GROUPS_PER_PROGRAM = 8  # 8 x 128 features a program: 56 groups of a 7168 
 
 def quantize_act_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
     """``x [M, K]`` (any strides) -> ``(q [M, K] fp8, scale [M, ceil(K / 128)] fp32)``, contiguous."""
-    from graft.quant import FP8_BLOCK, fp8_max
-
     rows, cols = x.shape
     num_groups = triton.cdiv(cols, FP8_BLOCK)
     # Interpreted, the kernel writes the clamped fp32 values and torch rounds them to fp8: the
