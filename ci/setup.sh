@@ -46,6 +46,9 @@ fi
 if [ ! -f .venv-triton36/triton/__init__.py ]; then
     "$VENV/bin/python" -m pip install -q --no-deps --target .venv-triton36 triton==3.6.0 "numpy<2.4"
 fi
+# graft's CPU C++ kernels (the cpp backend), built now for this torch so that no test or engine
+# waits for the compiler on first use (seconds; cached under ~/.cache/graft/cpp_ext).
+"$VENV/bin/python" -m graft.kernels.cpp build
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, (
@@ -81,6 +84,7 @@ PY
     fi
     "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$VPY" -m pip install -q --no-deps --no-compile -e .
+    "$VPY" -m graft.kernels.cpp build  # the cpp backend for this environment's torch
     "$VPY" - <<'PY'
 import importlib.util, torch
 assert torch.__version__ == "2.13.0+cpu", f".venv-vllm-cpu: expected torch 2.13.0+cpu, got {torch.__version__}"

@@ -42,9 +42,9 @@ class PluginRecord:
 
 
 # Backend names only graft's own adapters may register: a third-party plugin cannot displace
-# graft's Triton/HIP kernels or its torch reference (which under GRAFT_DISABLE=all must
+# graft's Triton/HIP/CPU C++ kernels or its torch reference (which under GRAFT_DISABLE=all must
 # really be the reference). "torch" is allowed only as an op's own reference function.
-RESERVED_BACKENDS = frozenset({"torch", "triton", "hip"})
+RESERVED_BACKENDS = frozenset({"torch", "triton", "hip", "cpp"})
 
 
 class _StagingRegistry:

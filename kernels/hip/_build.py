@@ -17,7 +17,6 @@ visible device.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -28,10 +27,11 @@ import torch
 
 from graft import config
 from graft.errors import GraftConfigError, GraftUnsupportedError
+from graft.kernels import _extension
+from graft.kernels._extension import cache_dir, summarize
 
 log = logging.getLogger("graft.kernels.hip")
 
-CACHE_DIR_VAR = config.declare_env_var("GRAFT_CACHE_DIR", "cache directory for built kernels (default ~/.cache/graft)")
 VERBOSE_VAR = config.declare_env_var("GRAFT_HIP_VERBOSE", "1: show compiler output when building the HIP/CUDA kernels")
 BUILD_VAR = config.declare_env_var(
     "GRAFT_HIP_BUILD",
@@ -136,24 +136,14 @@ def reset(keep_module: bool = False) -> None:
         _State.error = None
 
 
-def cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_VAR)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "graft"
-
-
 def source_files() -> list[Path]:
     return [CSRC_DIR / name for name in (*HEADERS, *KERNEL_SOURCES, BINDING_SOURCE)]
 
 
 def build_key() -> str:
     """Hash of everything the binary depends on: sources, flags, torch and toolkit versions."""
-    digest = hashlib.sha256()
-    for path in source_files():
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
     toolkit = f"{vendor()}-{torch.version.hip or torch.version.cuda}"
-    digest.update(f"{torch.__version__}|{toolkit}|{NVCC_FLAGS}|{HIPCC_FLAGS}|{CXX_FLAGS}".encode())
-    return digest.hexdigest()[:16]
+    return _extension.build_key(source_files(), f"{torch.__version__}|{toolkit}|{NVCC_FLAGS}|{HIPCC_FLAGS}|{CXX_FLAGS}")
 
 
 def _stage_sources(src_dir: Path) -> None:
@@ -198,11 +188,6 @@ def _build():
     )
 
 
-def _summarize(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return " / ".join(line.strip() for line in text[:3] if line.strip())[:500]
-
-
 def load_extension(ahead_of_time: bool = False):
     """The compiled extension module, built on first use (or ahead of time, whatever
     GRAFT_HIP_BUILD says: `python -m graft.kernels.hip build`).
@@ -221,7 +206,7 @@ def load_extension(ahead_of_time: bool = False):
         try:
             _State.module = _build()
         except Exception as exc:
-            _State.error = _summarize(exc)
+            _State.error = summarize(exc)
             from graft import selection
 
             selection.forget()  # cached decisions still think the hip backend is usable
