@@ -21,9 +21,14 @@
  * context   None, or called with no arguments: must return the object context_value, a
  *           weak reference, refers to (identity; a dead reference matches nothing)
  * impl      the Implementation to call (impl.fn is read on each call)
+ *
+ * int_bounds(t) serves the value checks a remembered signature still runs (OpSpec.check_values):
+ * the smallest and largest value of an index tensor (block tables, positions, expert ids)
+ * read in one C loop, where torch.aminmax and two .item() cost several microseconds a call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 #define MAX_ARGS 32
 
@@ -34,6 +39,8 @@ static PyObject *fall_back;     /* fall_back(op, impl, exc, args, kwargs) -> (ou
 static PyObject *unsupported;   /* GraftUnsupportedError */
 static PyObject *compiler;      /* torch.compiler (its _is_compiling_flag), or None */
 static PyObject *str_fn, *str_flag, *str_is_nested;
+static PyObject *tensor_type, *int32_dtype, *int64_dtype;  /* int_bounds: set by configure_bounds */
+static PyObject *str_is_cpu, *str_dtype, *str_is_contiguous, *str_numel, *str_data_ptr;
 
 static int
 matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, PyObject *kwnames)
@@ -270,7 +277,94 @@ configure(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+configure_bounds(PyObject *self, PyObject *args)
+{
+    PyObject *tt, *i32, *i64;
+    if (!PyArg_ParseTuple(args, "O!OO:configure_bounds", &PyType_Type, &tt, &i32, &i64))
+        return NULL;
+    Py_XSETREF(tensor_type, Py_NewRef(tt));
+    Py_XSETREF(int32_dtype, Py_NewRef(i32));
+    Py_XSETREF(int64_dtype, Py_NewRef(i64));
+    Py_RETURN_NONE;
+}
+
+/* A no-argument method's result as a C long long (-1 with an error set on failure). */
+static long long
+call_as_long(PyObject *obj, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL)
+        return -1;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return v;
+}
+
+static PyObject *
+int_bounds(PyObject *self, PyObject *t)
+{
+    /* (min, max) of a plain, contiguous, non-empty CPU int32/int64 tensor; None for anything
+     * else (the caller then asks torch). Only exact torch.Tensor: a subclass's storage may be
+     * elsewhere or absent. */
+    if (tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)tensor_type)
+        Py_RETURN_NONE;
+    PyObject *flag = PyObject_GetAttr(t, str_is_cpu);
+    if (flag == NULL)
+        return NULL;
+    int cpu = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (cpu <= 0)
+        return cpu < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *dtype = PyObject_GetAttr(t, str_dtype);
+    if (dtype == NULL)
+        return NULL;
+    int wide = dtype == int64_dtype;
+    int narrow = dtype == int32_dtype;
+    Py_DECREF(dtype);
+    if (!wide && !narrow)
+        Py_RETURN_NONE;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(t, str_is_contiguous);
+    if (contiguous == NULL)
+        return NULL;
+    int dense = PyObject_IsTrue(contiguous);
+    Py_DECREF(contiguous);
+    if (dense <= 0)
+        return dense < 0 ? NULL : Py_NewRef(Py_None);
+    long long n = call_as_long(t, str_numel);
+    if (n < 0 && PyErr_Occurred())
+        return NULL;
+    long long address = call_as_long(t, str_data_ptr);
+    if (address == -1 && PyErr_Occurred())
+        return NULL;
+    if (n <= 0 || address == 0)
+        Py_RETURN_NONE;
+    long long lo, hi;
+    if (wide) {
+        const int64_t *v = (const int64_t *)(uintptr_t)address;
+        lo = hi = v[0];
+        for (long long i = 1; i < n; i++) {
+            lo = v[i] < lo ? v[i] : lo;
+            hi = v[i] > hi ? v[i] : hi;
+        }
+    } else {
+        const int32_t *v = (const int32_t *)(uintptr_t)address;
+        int32_t l = v[0], h = v[0];
+        for (long long i = 1; i < n; i++) {
+            l = v[i] < l ? v[i] : l;
+            h = v[i] > h ? v[i] : h;
+        }
+        lo = l;
+        hi = h;
+    }
+    return Py_BuildValue("(LL)", lo, hi);
+}
+
 static PyMethodDef methods[] = {
+    {"configure_bounds", configure_bounds, METH_VARARGS,
+     "configure_bounds(tensor_type, int32, int64): set once by graft.ops._validate"},
+    {"int_bounds", int_bounds, METH_O,
+     "int_bounds(t): (min, max) of a contiguous CPU int32/int64 torch.Tensor, else None"},
     {"configure", configure, METH_VARARGS,
      "configure(table, slow_call, slow_run, fall_back, unsupported_error, torch_compiler): set once by graft.dispatch"},
     {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL | METH_KEYWORDS,
@@ -288,7 +382,13 @@ PyInit__fastcall(void)
     str_fn = PyUnicode_InternFromString("fn");
     str_flag = PyUnicode_InternFromString("_is_compiling_flag");
     str_is_nested = PyUnicode_InternFromString("is_nested");
-    if (str_fn == NULL || str_flag == NULL || str_is_nested == NULL)
+    str_is_cpu = PyUnicode_InternFromString("is_cpu");
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    str_numel = PyUnicode_InternFromString("numel");
+    str_data_ptr = PyUnicode_InternFromString("data_ptr");
+    if (str_fn == NULL || str_flag == NULL || str_is_nested == NULL || str_is_cpu == NULL || str_dtype == NULL
+        || str_is_contiguous == NULL || str_numel == NULL || str_data_ptr == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

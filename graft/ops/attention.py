@@ -90,7 +90,7 @@ from graft.custom_ops import no_double_backward
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_same_dtype, check_tensor,
-                                 checks_values_on, values_in_range)
+                                 checks_values_on, readable_bounds, values_in_range)
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -742,8 +742,9 @@ def validate_decode_paged(query, key_cache, value_cache, block_tables, seq_lens,
 
 def check_decode_paged_values(key_cache, block_tables, seq_lens):
     """attention.decode_paged's checks of values (``OpSpec.check_values``)."""
-    if seq_lens.shape[0] and can_read_values(seq_lens):
-        _check_paged_values("attention.decode_paged", key_cache, block_tables, seq_lens)
+    bounds = readable_bounds(seq_lens)
+    if bounds is not None:
+        _check_paged_values("attention.decode_paged", key_cache, block_tables, seq_lens, bounds)
 
 
 def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_tables, seq_lens, num_seqs=None,
@@ -780,24 +781,22 @@ def _check_paged_metadata(op, q_name, query, key_cache, value_cache, block_table
         )
 
 
-def _check_paged_values(op, key_cache, block_tables, seq_lens) -> list:
-    """seq_lens within the table's capacity; the table entries they use name blocks of the
-    caches. Returns seq_lens as a list (one entry a sequence: read once, compared in Python,
-    cheaper than as tensors)."""
+def _check_paged_values(op, key_cache, block_tables, seq_lens, bounds) -> None:
+    """seq_lens (whose ``(min, max)`` is ``bounds``) within the table's capacity; the table
+    entries they use name blocks of the caches."""
     block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
-    lens = seq_lens.tolist()
-    lo, hi = min(lens, default=0), max(lens, default=0)
+    lo, hi = bounds
     capacity = block_tables.shape[1] * block_size
     if lo < 0 or hi > capacity:
         raise GraftInputError(
             f"{op}: seq_lens must lie in [0, max_blocks_per_seq * block_size = {capacity}], got min {lo}, max {hi}"
         )
     if not hi:
-        return lens  # no sequence uses a block
+        return  # no sequence uses a block
     # The common case in one pass: every entry of the table, used or not, names a block.
     # Only otherwise are the entries the sequences use told apart (stale or padding ones may be anything).
     if values_in_range(block_tables, 0, num_blocks):
-        return lens
+        return
     used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] < (
         (seq_lens.long() + block_size - 1) // block_size
     )[:, None]
@@ -808,7 +807,6 @@ def _check_paged_values(op, key_cache, block_tables, seq_lens) -> list:
             f"{op}: block_tables entries within seq_lens must lie in [0, num_blocks = {num_blocks}), "
             f"got {int(bad[0])} ({bad.numel()} such entries)"
         )
-    return lens
 
 
 def validate_prefill_paged(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
@@ -855,7 +853,8 @@ def check_prefill_paged_values(q, key_cache, block_tables, cu_seqlens_q, seq_len
         return
     cu = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, exact_total=True)
     if len(cu) > 1:
-        lens = _check_paged_values(op, key_cache, block_tables, seq_lens)
+        lens = seq_lens.tolist()  # read once, compared in Python: cheaper than as tensors
+        _check_paged_values(op, key_cache, block_tables, seq_lens, (min(lens), max(lens)))
         for b, (start, end, seq_len) in enumerate(zip(cu, cu[1:], lens)):
             if end - start > seq_len:
                 raise GraftInputError(

@@ -32,7 +32,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, can_read_values, check_same_device, check_tensor, checks_values_on, values_in_range
+from graft.ops._validate import acc, check_same_device, check_tensor, checks_values_on, readable_bounds
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -252,10 +252,9 @@ def validate_rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox
 
 def check_rotary_embedding_values(positions, cos_sin_cache):
     """fused.rotary_embedding's check of values (``OpSpec.check_values``): positions in range."""
-    if not can_read_values(positions):
-        return
+    bounds = readable_bounds(positions)
     max_position = cos_sin_cache.shape[0]
-    if values_in_range(positions, 0, max_position):
+    if bounds is None or (bounds[0] >= 0 and bounds[1] < max_position):
         return
     bad = positions[(positions < 0) | (positions >= max_position)]
     raise GraftInputError(

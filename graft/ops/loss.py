@@ -17,7 +17,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, acc_dtype, can_read_values, check_same_device, check_tensor, values_in_range
+from graft.ops._validate import acc, acc_dtype, check_same_device, check_tensor, readable_bounds, values_in_range
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -192,11 +192,10 @@ def validate_fused_linear_cross_entropy(x, weight, target, bias=None, ignore_ind
 def check_fused_linear_cross_entropy_values(weight, target, ignore_index=-100):
     """loss.fused_linear_cross_entropy's check of values (``OpSpec.check_values``): targets
     in the vocabulary or ``ignore_index``."""
-    if not can_read_values(target):
-        return
+    bounds = readable_bounds(target)
     vocab = weight.shape[0]
     # One pass; targets equal to ignore_index (padding) need a second
-    if not values_in_range(target, 0, vocab):
+    if bounds is not None and not (bounds[0] >= 0 and bounds[1] < vocab):
         if not values_in_range(target.masked_fill(target == ignore_index, 0), 0, vocab):
             bad = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
             raise GraftInputError(f"loss.fused_linear_cross_entropy: targets must lie in [0, V={vocab}) or equal "

@@ -47,8 +47,7 @@ import torch
 from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_tensor, checks_values_on,
-                                 values_in_range)
+from graft.ops._validate import acc, acc_dtype, check_same_device, check_tensor, checks_values_on, readable_bounds
 from graft.quant import FP8_BLOCK, dequantize_fp8, quantize_fp8_block, quantize_fp8_per_token_group
 from graft.registry import OpSpec
 
@@ -77,9 +76,8 @@ def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = Non
 
 
 def _check_id_values(op: str, topk_ids, num_experts: int) -> None:
-    if not can_read_values(topk_ids):
-        return
-    if values_in_range(topk_ids, NOT_ON_RANK, num_experts):
+    bounds = readable_bounds(topk_ids)
+    if bounds is None or (bounds[0] >= NOT_ON_RANK and bounds[1] < num_experts):
         return
     bad = topk_ids[(topk_ids < NOT_ON_RANK) | (topk_ids >= num_experts)]
     raise GraftInputError(
