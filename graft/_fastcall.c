@@ -22,9 +22,10 @@
  *           weak reference, refers to (identity; a dead reference matches nothing)
  * impl      the Implementation to call (impl.fn is read on each call)
  *
- * int_bounds(t) serves the value checks a remembered signature still runs (OpSpec.check_values):
- * the smallest and largest value of an index tensor (block tables, positions, expert ids)
- * read in one C loop, where torch.aminmax and two .item() cost several microseconds a call.
+ * int_bounds(t) and int_steps(t) serve the value checks a remembered signature still runs
+ * (OpSpec.check_values): the smallest and largest value of an index tensor (block tables,
+ * positions, expert ids), or the first, last, smallest and largest step of a cumulative one
+ * (cu_seqlens), read in one C loop where torch ops and .item()/.tolist() cost microseconds.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -301,54 +302,72 @@ call_as_long(PyObject *obj, PyObject *name)
     return v;
 }
 
-static PyObject *
-int_bounds(PyObject *self, PyObject *t)
+/* A plain, contiguous, non-empty CPU int32/int64 torch.Tensor's data: 1 and (*data, *n, *wide)
+ * set; 0 for anything else (the caller then asks torch); -1 with an error set. Only exact
+ * torch.Tensor: a subclass's storage may be elsewhere or absent. */
+static int
+index_data(PyObject *t, const void **data, long long *n, int *wide)
 {
-    /* (min, max) of a plain, contiguous, non-empty CPU int32/int64 tensor; None for anything
-     * else (the caller then asks torch). Only exact torch.Tensor: a subclass's storage may be
-     * elsewhere or absent. */
     if (tensor_type == NULL || Py_TYPE(t) != (PyTypeObject *)tensor_type)
-        Py_RETURN_NONE;
+        return 0;
     PyObject *flag = PyObject_GetAttr(t, str_is_cpu);
     if (flag == NULL)
-        return NULL;
+        return -1;
     int cpu = PyObject_IsTrue(flag);
     Py_DECREF(flag);
     if (cpu <= 0)
-        return cpu < 0 ? NULL : Py_NewRef(Py_None);
+        return cpu;
     PyObject *dtype = PyObject_GetAttr(t, str_dtype);
     if (dtype == NULL)
-        return NULL;
-    int wide = dtype == int64_dtype;
+        return -1;
+    *wide = dtype == int64_dtype;
     int narrow = dtype == int32_dtype;
     Py_DECREF(dtype);
-    if (!wide && !narrow)
-        Py_RETURN_NONE;
+    if (!*wide && !narrow)
+        return 0;
     PyObject *contiguous = PyObject_CallMethodNoArgs(t, str_is_contiguous);
     if (contiguous == NULL)
-        return NULL;
+        return -1;
     int dense = PyObject_IsTrue(contiguous);
     Py_DECREF(contiguous);
     if (dense <= 0)
-        return dense < 0 ? NULL : Py_NewRef(Py_None);
-    long long n = call_as_long(t, str_numel);
-    if (n < 0 && PyErr_Occurred())
-        return NULL;
+        return dense;
+    *n = call_as_long(t, str_numel);
+    if (*n < 0 && PyErr_Occurred())
+        return -1;
     long long address = call_as_long(t, str_data_ptr);
     if (address == -1 && PyErr_Occurred())
-        return NULL;
-    if (n <= 0 || address == 0)
-        Py_RETURN_NONE;
-    long long lo, hi;
+        return -1;
+    if (*n <= 0 || address == 0)
+        return 0;
+    *data = (const void *)(uintptr_t)address;
+    return 1;
+}
+
+static inline long long
+value_at(const void *data, int wide, long long i)
+{
+    return wide ? ((const int64_t *)data)[i] : ((const int32_t *)data)[i];
+}
+
+static PyObject *
+int_bounds(PyObject *self, PyObject *t)
+{
+    const void *data;
+    long long n;
+    int wide;
+    int ok = index_data(t, &data, &n, &wide);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    long long lo = value_at(data, wide, 0), hi = lo;
     if (wide) {
-        const int64_t *v = (const int64_t *)(uintptr_t)address;
-        lo = hi = v[0];
+        const int64_t *v = data;
         for (long long i = 1; i < n; i++) {
             lo = v[i] < lo ? v[i] : lo;
             hi = v[i] > hi ? v[i] : hi;
         }
     } else {
-        const int32_t *v = (const int32_t *)(uintptr_t)address;
+        const int32_t *v = data;
         int32_t l = v[0], h = v[0];
         for (long long i = 1; i < n; i++) {
             l = v[i] < l ? v[i] : l;
@@ -360,11 +379,36 @@ int_bounds(PyObject *self, PyObject *t)
     return Py_BuildValue("(LL)", lo, hi);
 }
 
+static PyObject *
+int_steps(PyObject *self, PyObject *t)
+{
+    /* (first, last, smallest step, largest step) of a cumulative index tensor (cu_seqlens),
+     * read as int_bounds reads it; steps are 0 for a single element. */
+    const void *data;
+    long long n;
+    int wide;
+    int ok = index_data(t, &data, &n, &wide);
+    if (ok <= 0)
+        return ok < 0 ? NULL : Py_NewRef(Py_None);
+    long long prev = value_at(data, wide, 0), lo = 0, hi = 0;
+    for (long long i = 1; i < n; i++) {
+        long long cur = value_at(data, wide, i), step = cur - prev;
+        if (i == 1 || step < lo)
+            lo = step;
+        if (i == 1 || step > hi)
+            hi = step;
+        prev = cur;
+    }
+    return Py_BuildValue("(LLLL)", value_at(data, wide, 0), prev, lo, hi);
+}
+
 static PyMethodDef methods[] = {
     {"configure_bounds", configure_bounds, METH_VARARGS,
      "configure_bounds(tensor_type, int32, int64): set once by graft.ops._validate"},
     {"int_bounds", int_bounds, METH_O,
      "int_bounds(t): (min, max) of a contiguous CPU int32/int64 torch.Tensor, else None"},
+    {"int_steps", int_steps, METH_O,
+     "int_steps(t): (first, last, min step, max step) of a contiguous CPU int32/int64 torch.Tensor, else None"},
     {"configure", configure, METH_VARARGS,
      "configure(table, slow_call, slow_run, fall_back, unsupported_error, torch_compiler): set once by graft.dispatch"},
     {"call", (PyCFunction)(void (*)(void))fast_call, METH_FASTCALL | METH_KEYWORDS,

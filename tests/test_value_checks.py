@@ -144,3 +144,37 @@ def test_values_and_metadata_errors_agree_with_the_validator(fresh_graft):
         attention.decode_paged(q, kc, vc, bad_table, lens)
     assert str(first.value) == str(remembered.value)
     assert "got -3" in str(first.value)
+
+
+def test_index_bounds_and_steps_read_in_c_agree_with_torch():
+    from graft.ops._validate import int_steps, readable_bounds
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.int32, torch.int64):
+        t = torch.randint(-50, 2**20, (7, 13), generator=gen, dtype=dtype)
+        assert readable_bounds(t) == (int(t.min()), int(t.max()))
+        assert readable_bounds(t.t()) == (int(t.min()), int(t.max()))  # non-contiguous: through torch
+        cu = torch.tensor([0, 4, 4, 11, 30], dtype=dtype)
+        assert int_steps(cu) == (0, 30, 0, 19)
+    assert readable_bounds(torch.tensor([2**40, -(2**40)])) == (-(2**40), 2**40)
+    assert int_steps(torch.tensor([7], dtype=torch.int32)) == (7, 7, 0, 0)
+    assert readable_bounds(torch.tensor([], dtype=torch.int32)) is None  # empty: nothing to read
+    assert int_steps(torch.tensor([0, 1, 2])[::2]) is None  # not contiguous: the caller reads a list
+    assert int_steps(torch.tensor([0.0, 1.0])) is None
+    with graft.config.override(GRAFT_CHECK_VALUES="0"):
+        assert readable_bounds(torch.tensor([1, 2])) is None  # value checks off: no read at all
+
+
+def test_prefill_paged_checks_each_sequence_when_a_context_is_shorter_than_the_longest_query():
+    q, kc, vc, table, _ = _paged()
+    qp = torch.randn(6, 4, 8)
+    cu = torch.tensor([0, 1, 3, 6], dtype=torch.int32)
+    # Sequence 0 has 1 query token and 1 token of context: fine, although 1 < 3 (longest query).
+    out = attention.prefill_paged(qp, kc, vc, table, cu, torch.tensor([1, 9, 12], dtype=torch.int32), 3, True)
+    assert out.shape == qp.shape
+    with pytest.raises(GraftInputError, match=r"sequence 2 has 3 query tokens but seq_lens\[2\] = 2"):
+        attention.prefill_paged(qp, kc, vc, table, cu, torch.tensor([1, 9, 2], dtype=torch.int32), 3, True)
+    # Non-contiguous metadata takes the list path and gives the same errors.
+    strided = torch.tensor([0, 9, 3, 0, 1, 0, 6], dtype=torch.int32)[::2]
+    with pytest.raises(GraftInputError, match="non-decreasing"):
+        attention.prefill_paged(qp, kc, vc, table, strided, torch.tensor([1, 9, 12], dtype=torch.int32)[::1], 3, True)

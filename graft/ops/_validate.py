@@ -130,15 +130,23 @@ def readable_bounds(t: torch.Tensor):
     return lo.item(), hi.item()
 
 
+def int_steps(t: torch.Tensor):
+    """``(first, last, smallest step, largest step)`` of a plain contiguous CPU int32/int64
+    tensor read in C (cu_seqlens), else None: the caller reads the values with torch. The
+    caller has already decided that values may be read (:func:`can_read_values`)."""
+    return _int_steps(t) if _int_steps is not None else None
+
+
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 
 
 _int_bounds: Any
+_int_steps: Any
 try:
-    from graft._fastcall import configure_bounds as _configure_bounds, int_bounds as _int_bounds
+    from graft._fastcall import configure_bounds as _configure_bounds, int_bounds as _int_bounds, int_steps as _int_steps
 except ImportError:  # the C extension is optional (built where a compiler is); torch reads the values then
-    _int_bounds = None
+    _int_bounds = _int_steps = None
 else:
     _configure_bounds(torch.Tensor, torch.int32, torch.int64)
 

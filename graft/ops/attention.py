@@ -90,7 +90,7 @@ from graft.custom_ops import no_double_backward
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.ops._validate import (acc, acc_dtype, can_read_values, check_same_device, check_same_dtype, check_tensor,
-                                 checks_values_on, readable_bounds, values_in_range)
+                                 checks_values_on, int_steps, readable_bounds, values_in_range)
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -586,8 +586,16 @@ def _check_heads(op, q_name, num_heads, num_kv_heads):
         )
 
 
-def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total) -> list:
-    """cu_seqlens read once (a list: cheaper than comparisons as tensors); returns the values."""
+def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total) -> tuple:
+    """cu_seqlens checked; returns its (first, last, shortest, longest sequence). A valid
+    contiguous CPU tensor is read in C (graft/_fastcall.c); anything else, or one that fails,
+    once as a list (cheaper than comparisons as tensors), which names the problem."""
+    steps = int_steps(cu)
+    if steps is not None:
+        first, last, shortest, longest = steps
+        if (first == 0 and shortest >= 0 and last <= total and (last == total or not exact_total)
+                and longest <= max_seqlen):
+            return steps
     values = cu.tolist()
     if values[0] != 0:
         raise GraftInputError(f"{op}: {name} must start at 0, got {values[0]}")
@@ -601,7 +609,7 @@ def _check_cu_seqlens(op, name, cu, total, max_seqlen, exact_total) -> list:
     longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise GraftInputError(f"{op}: a sequence has {longest} tokens but the max_seqlen given for {name} is {max_seqlen}")
-    return values
+    return values[0], values[-1], min(lengths, default=0), longest
 
 
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
@@ -851,10 +859,16 @@ def check_prefill_paged_values(q, key_cache, block_tables, cu_seqlens_q, seq_len
         raise GraftInputError(f"{op}: max_seqlen_q must be >= 0, got {max_seqlen_q}")
     if not can_read_values(cu_seqlens_q):
         return
-    cu = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, exact_total=True)
-    if len(cu) > 1:
-        lens = seq_lens.tolist()  # read once, compared in Python: cheaper than as tensors
-        _check_paged_values(op, key_cache, block_tables, seq_lens, (min(lens), max(lens)))
+    _, _, _, longest_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, exact_total=True)
+    if seq_lens.shape[0]:
+        bounds = readable_bounds(seq_lens)
+        if bounds is None:  # not plain: read once, compared in Python
+            lens = seq_lens.tolist()
+            bounds = min(lens), max(lens)
+        _check_paged_values(op, key_cache, block_tables, seq_lens, bounds)
+        if bounds[0] >= longest_q:
+            return  # no context is shorter than the longest query run: every sequence fits
+        cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
         for b, (start, end, seq_len) in enumerate(zip(cu, cu[1:], lens)):
             if end - start > seq_len:
                 raise GraftInputError(
