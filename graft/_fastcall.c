@@ -360,21 +360,10 @@ int_bounds(PyObject *self, PyObject *t)
     if (ok <= 0)
         return ok < 0 ? NULL : Py_NewRef(Py_None);
     long long lo = value_at(data, wide, 0), hi = lo;
-    if (wide) {
-        const int64_t *v = data;
-        for (long long i = 1; i < n; i++) {
-            lo = v[i] < lo ? v[i] : lo;
-            hi = v[i] > hi ? v[i] : hi;
-        }
-    } else {
-        const int32_t *v = data;
-        int32_t l = v[0], h = v[0];
-        for (long long i = 1; i < n; i++) {
-            l = v[i] < l ? v[i] : l;
-            h = v[i] > h ? v[i] : h;
-        }
-        lo = l;
-        hi = h;
+    for (long long i = 1; i < n; i++) {
+        long long v = value_at(data, wide, i);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
     }
     return Py_BuildValue("(LL)", lo, hi);
 }
