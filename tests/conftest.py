@@ -45,6 +45,27 @@ def monkeypatch():
     mp.undo()
 
 
+def _graft_environ() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith("GRAFT_")}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_graft_variables():
+    """A test that leaves a GRAFT_* variable changed fails, and the variables are put back:
+    otherwise every later test runs under it (a leaked GRAFT_CHECK_VALUES=0 once made value
+    checks pass in isolation and fail in the full suite)."""
+    before = _graft_environ()
+    yield
+    after = _graft_environ()
+    if after != before:
+        changed = sorted(set(before.items()) ^ set(after.items()))
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        _reload_if_graft("GRAFT_")
+        pytest.fail(f"the test left GRAFT_* variables changed: {changed} (restored)")
+
+
 @pytest.fixture
 def fresh_graft(monkeypatch):
     """A clean plugin host and selection caches, with no GRAFT_* variables set."""

@@ -2,8 +2,11 @@
 GPU runs): every family builds, times, compares and reports; failures and the time budget
 are recorded, not fatal."""
 import json
+import os
 
 import pytest
+
+import graft
 
 pytestmark = pytest.mark.usefixtures("fresh_graft")
 
@@ -21,7 +24,11 @@ def _report(tmp_path):
 def test_quick_run_covers_every_family(tmp_path):
     from graft.kernels import bench
 
+    before = os.environ.get("GRAFT_CHECK_VALUES")
     assert _run(tmp_path, "--backends", "torch") == 0
+    # The run switches value checks off for itself only: an in-process caller keeps its setting.
+    assert os.environ.get("GRAFT_CHECK_VALUES") == before
+    assert graft.config.current().get("GRAFT_CHECK_VALUES") == before
     report = _report(tmp_path)
     results = report["results"]
     assert {r["family"] for r in results} == set(bench.FAMILIES)
