@@ -25,11 +25,12 @@ import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
 from graft.kernels.triton._autotune import tile_config
-from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._aot import GENERATION, per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.platform import device_info, is_rocm, triton_interpret
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
+from graft.kernels.triton.moe_tiles import distinct_tiles, generation_of, shape_tile
 
 OP = "moe.fused_experts"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -209,9 +210,13 @@ def slot_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def launch_config(num_slots: int, num_experts: int, device, dtype: torch.dtype) -> dict:
-    table = tile_config(TILES, device)
-    cfg = dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
+def launch_config(num_slots: int, num_experts: int, inter: int, device, dtype: torch.dtype) -> dict:
+    """The tile of a launch: the row listed for this layer shape (moe_tiles), else the
+    architecture's generic "small" (decode) or "large" (prefill) row."""
+    cfg = shape_tile(generation_of(device), num_experts, inter, num_slots)
+    if cfg is None:
+        table = tile_config(TILES, device)
+        cfg = dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
     return _fit_gpu_tiles(cfg, dtype) if torch.device(device).type == "cuda" else cfg
 
 
@@ -240,7 +245,7 @@ def _fused_experts(
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out
-    cfg = launch_config(num_tokens * topk_ids.shape[1], w13.shape[0], hidden.device, hidden.dtype)
+    cfg = launch_config(num_tokens * topk_ids.shape[1], w13.shape[0], w13.shape[1] // 2, hidden.device, hidden.dtype)
     with on_device(hidden.device):
         return _launch(hidden, w13, w2, topk_weights, topk_ids, out, cfg)
 
@@ -328,8 +333,13 @@ def _aot_variants():
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     routing = dict(sorted_ptr="*i32", expert_ids_ptr="*i32", post_pad_ptr="*i32")
     for target, table in per_target(TILES):
-        for size, name in (("large", "bf16"), ("small", "fp16"), ("large", "fp32"), ("small", "bf16")):
-            blocks, options = split_tiles(_fit_gpu_tiles(table[size], dtypes[name]))
+        # The generic rows in every dtype; each per-shape row (moe_tiles) in bf16, the dtype
+        # those layers run in.
+        launches = [(table[size], name) for size, name in (("large", "bf16"), ("small", "fp16"), ("large", "fp32"),
+                                                           ("small", "bf16"))]
+        launches += [(tile, "bf16") for tile in distinct_tiles(GENERATION[target]) if tile not in table.values()]
+        for tile, name in launches:
+            blocks, options = split_tiles(_fit_gpu_tiles(tile, dtypes[name]))
             flags = dict(UPCAST=False, PRECISION="ieee", BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"],
                          GROUP_M=blocks["GROUP_M"])
             act = {"act_ptr": "*fp32"} if name == "fp16" else {}

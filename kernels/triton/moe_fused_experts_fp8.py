@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
-from graft.kernels.triton._aot import per_target, split_tiles, variant
+from graft.kernels.triton._aot import GENERATION, per_target, split_tiles, variant
 from graft.kernels.triton._autotune import tile_config
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.moe_align_block_size import align_block_size_launch
@@ -40,16 +40,21 @@ from graft.kernels.triton.moe_fused_experts import DOWN_VALUES as _DOWN_VALUES
 from graft.kernels.triton.moe_fused_experts import GATE_UP_VALUES as _GATE_UP_VALUES
 from graft.kernels.triton.moe_fused_experts import TILES as _fused_tiles
 from graft.kernels.triton.moe_fused_experts import slot_dtype
+from graft.kernels.triton.moe_tiles import distinct_tiles, generation_of, shape_tile
 from graft.platform import device_info, fp8_flavour_reason, triton_interpret
 from graft.quant import FP8_BLOCK, fp8_max
 
 OP = "moe.fused_experts_fp8"
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
+def fp8_tile(tile: dict, generation: str) -> dict:
+    """A bf16 tile as the fp8 kernels take it: BLOCK_K one 128-group (the scale block) on a GPU."""
+    return dict(tile) if generation == "interpreter" else dict(tile, BLOCK_K=FP8_BLOCK)
+
+
 # moe_fused_experts's tiles with BLOCK_K one 128-group (the scale block): 1-byte operands fit twice
 # moe_fused_experts's K per stage in the same memory. The interpreter's tiles stay as they are.
-TILES = {arch: {size: dict(cfg, BLOCK_K=128) if arch != "interpreter" else dict(cfg) for size, cfg in sizes.items()}
-         for arch, sizes in _fused_tiles.items()}
+TILES = {arch: {size: fp8_tile(cfg, arch) for size, cfg in sizes.items()} for arch, sizes in _fused_tiles.items()}
 
 
 @triton.jit
@@ -173,7 +178,12 @@ def quantize_act_launch(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
     return (q.to(fp8_dtype) if interpreted else q), scale
 
 
-def launch_config(num_slots: int, num_experts: int, device) -> dict:
+def launch_config(num_slots: int, num_experts: int, inter: int, device) -> dict:
+    """moe_fused_experts's choice (the row for this layer shape, else the generic row), fp8's BLOCK_K."""
+    generation = generation_of(device)
+    tile = shape_tile(generation, num_experts, inter, num_slots)
+    if tile is not None:
+        return fp8_tile(tile, generation)
     table = tile_config(TILES, device)
     return dict(table["small"] if num_slots < SMALL_ROWS_PER_EXPERT * num_experts else table["large"])
 
@@ -189,7 +199,7 @@ def _fused_experts_fp8(
     num_experts, inter = w13_q.shape[0], w13_q.shape[1] // 2
     top_k = topk_ids.shape[1]
     num_slots = num_tokens * top_k
-    cfg = launch_config(num_slots, num_experts, hidden.device)
+    cfg = launch_config(num_slots, num_experts, inter, hidden.device)
     block_m, block_n, block_k, group_m = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["GROUP_M"]
     flags = dict(UPCAST=triton_interpret(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     with on_device(hidden.device):
@@ -268,8 +278,9 @@ def _aot_variants():
         yield variant(_quant_groups_kernel, dict(FP8_MAX=fp8_max[target], GROUP=128, BLOCK_G=QUANT_GROUPS_PER_PROGRAM),
                       pointer="*bf16", targets=(target,), q_ptr=fp8, s_ptr="*fp32",
                       values=dict(cols=7168, num_groups=56, stride_xm=7168, stride_xk=1, stride_qm=7168, stride_sm=56))
-        for size in ("large", "small"):
-            blocks, options = split_tiles(table[size])
+        shaped = [fp8_tile(t, GENERATION[target]) for t in distinct_tiles(GENERATION[target])]
+        for tile in [table["large"], table["small"]] + [t for t in shaped if t not in table.values()]:
+            blocks, options = split_tiles(tile)
             flags = dict(UPCAST=False, BLOCK_M=blocks["BLOCK_M"], BLOCK_K=blocks["BLOCK_K"], GROUP_M=blocks["GROUP_M"])
             yield variant(_gate_up_fp8_kernel, dict(flags, BLOCK_N=blocks["BLOCK_N"] // 2), pointer="*bf16",
                           options=options, targets=(target,), values=GATE_UP_FP8_VALUES, x_ptr=fp8, w13_ptr=fp8, xs_ptr="*fp32", ws_ptr="*fp32",
