@@ -283,3 +283,39 @@ def test_w4a16_dequantises_without_int_to_float_conversions(tmp_path):
                                               ("gfx942", "*bf16")}, proc.stdout
     for _, target, pointer, awq, n in counts:
         assert int(n) <= (0 if target == "sm_90" else 4), (target, pointer, awq, n)
+
+
+def _rows(table, generation=None):
+    """(generation, row) for every tile row of a table keyed by architecture generation (rows
+    may sit under size keys, or in (bound, row) tuples as in moe_tiles.SHAPES)."""
+    if isinstance(table, dict) and any(k in table for k in _aot._LAUNCH_OPTIONS):
+        yield generation, table
+    elif isinstance(table, dict):
+        for key, sub in table.items():
+            yield from _rows(sub, key if generation is None else generation)
+    elif isinstance(table, (tuple, list)):
+        for sub in table:
+            yield from _rows(sub, generation)
+
+
+def test_waves_per_eu_only_in_amd_rows():
+    """Triton's CUDA launcher refuses an option it does not know: a row for an NVIDIA generation
+    (or the default / interpreter rows, which any device may take) naming waves_per_eu would
+    fail every launch there."""
+    import importlib
+    import pkgutil
+
+    import graft.kernels.triton as package
+
+    amd = {"cdna1", "cdna2", "cdna3", "cdna4", "rdna3", "rdna4"}
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, table in vars(module).items():
+            if not (name.isupper() and ("TILES" in name or name == "SHAPES") and isinstance(table, dict)):
+                continue
+            for generation, row in _rows(table):
+                if "waves_per_eu" in row:
+                    found.append((info.name, name, generation))
+                    assert generation in amd, (info.name, name, generation, row)
+    assert ("attention_prefill", "TILES", "cdna3") in found  # the check sees the rows it guards

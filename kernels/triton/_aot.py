@@ -51,7 +51,9 @@ from typing import Any
 # Target name -> (Triton backend, arch, warp size), and the tile-table generation tuned for it.
 TARGETS = {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 GENERATION = {"sm_90": "hopper", "gfx942": "cdna3"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Launch options a tile row may carry (waves_per_eu: AMD only, the occupancy the compiler fits
+# its VGPRs to; a row for an NVIDIA generation never names it, Triton's CUDA launcher refuses it).
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "waves_per_eu")
 
 # Per-block limits. sm_90 (H100/H200): 227 KiB of shared memory per block (opt-in maximum),
 # 255 registers per thread and 64K per block. gfx942 (MI300): 64 KiB of LDS per workgroup,
