@@ -32,6 +32,9 @@ _T = dict
 # stages where not) and from the configurations other Triton GEMMs ship for sm_90.
 SWEEPS = (
     ("linear_bf16_m4096_n28672_k4096", (
+        # the persistent TMA kernel (the current row on Hopper) against the pointer kernel's rows,
+        # the measured 256x128 among them; TMA with 128x128 tiles leaves room for a 4th stage
+        _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
         _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4),
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4),
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=256, GROUP_M=8, num_warps=8, num_stages=3),
@@ -61,7 +64,9 @@ SWEEPS = (
     )),
 )
 QUICK_SWEEPS = (  # the CPU: the interpreter's rows, tiny shapes (the logic, not the speed)
-    ("linear_bf16_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1),)),
+    ("linear_bf16_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1),
+                                 _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1,
+                                    TMA=True))),
     ("fp8_block_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),)),
 )
 
@@ -78,16 +83,24 @@ def _row_index(generation: str, m: int) -> int:
 @contextlib.contextmanager
 def tile_row(generation: str, m: int, row: dict | None):
     """The table row used at ``m`` rows replaced by ``row`` for every kernel kind (None:
-    unchanged, each kind's own measured row included) while inside."""
+    unchanged, each kind's own measured row included) while inside. A row with ``TMA: True``
+    is the TMA kernel's row (:data:`TMA_TILES`), and lowers its minimum M to ``m`` so it
+    serves; any other row turns the TMA kernel off, so the pointer kernel runs it."""
     from graft.kernels.triton import _gemm_common as common
 
     if row is None:
         yield
         return
     table, kinds = common.TILES[generation], common.KIND_TILES.get(generation)
-    i = _row_index(generation, m)
-    common.TILES[generation] = table[:i] + ((table[i][0], dict(row)),) + table[i + 1:]  # type: ignore[assignment]
-    common.KIND_TILES.pop(generation, None)  # the candidate applies to every kernel kind
+    tma, min_m = common.TMA_TILES.get(generation), common.TMA_MIN_M
+    if row.get("TMA"):
+        common.TMA_TILES[generation] = {k: v for k, v in row.items() if k != "TMA"}
+        common.TMA_MIN_M = min(min_m, m)
+    else:
+        i = _row_index(generation, m)
+        common.TILES[generation] = table[:i] + ((table[i][0], dict(row)),) + table[i + 1:]  # type: ignore[assignment]
+        common.KIND_TILES.pop(generation, None)  # the candidate applies to every kernel kind
+        common.TMA_TILES.pop(generation, None)
     common._plan.cache_clear()
     try:
         yield
@@ -95,6 +108,11 @@ def tile_row(generation: str, m: int, row: dict | None):
         common.TILES[generation] = table
         if kinds is not None:
             common.KIND_TILES[generation] = kinds
+        if tma is not None:
+            common.TMA_TILES[generation] = tma
+        else:
+            common.TMA_TILES.pop(generation, None)
+        common.TMA_MIN_M = min_m
         common._plan.cache_clear()
 
 
@@ -102,7 +120,8 @@ def _label(row: dict | None) -> str:
     if row is None:
         return "current"
     k = f"K{row['BLOCK_K']}" if "BLOCK_K" in row else f"Kb{row['K_BYTES']}"
-    return f"{row['BLOCK_M']}x{row['BLOCK_N']}{k} w{row['num_warps']} s{row['num_stages']}"
+    tma = " tma" if row.get("TMA") else ""
+    return f"{row['BLOCK_M']}x{row['BLOCK_N']}{k} w{row['num_warps']} s{row['num_stages']}{tma}"
 
 
 def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> None:

@@ -227,9 +227,9 @@ def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
     from graft.kernels import tile_sweep
     from graft.kernels.triton import _gemm_common as common
 
-    before = copy.deepcopy(common.TILES)
+    before = copy.deepcopy((common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M))
     assert tile_sweep.main(["--device", "cpu", "--quick", "--rounds", "2", "--out", str(tmp_path), "--tag", "t"]) == 0
-    assert common.TILES == before
+    assert (common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M) == before
     report = json.loads((tmp_path / "tile-sweep-t.json").read_text())
     assert set(report["sweeps"]) == {name for name, _ in tile_sweep.QUICK_SWEEPS}
     for name, rows in tile_sweep.QUICK_SWEEPS:
@@ -252,6 +252,28 @@ def test_tile_row_replaces_only_the_row_of_that_m():
         assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 16
         assert common.base_config("hopper", 16, 2)["BLOCK_N"] == 64  # the M<=16 row is untouched
     assert common.base_config("hopper", 4096, 2)["BLOCK_N"] == 256
+
+
+def test_tile_row_switches_between_the_tma_and_the_pointer_kernel():
+    """A TMA candidate row is the TMA kernel's row at that M; any other row runs the pointer
+    kernel (TMA off), so a sweep compares the two kernels; the tables are restored after."""
+    import torch
+
+    from graft.kernels import tile_sweep
+    from graft.kernels.triton import gemm_linear
+
+    hopper = dict(generation="hopper", sms=132)
+    assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)["TMA"]
+    row = dict(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True)
+    with tile_sweep.tile_row("hopper", 4096, row):
+        cfg = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)
+        assert cfg["TMA"] and (cfg["BLOCK_N"], cfg["num_stages"]) == (128, 4)
+    pointer = dict(BLOCK_M=256, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)
+    with tile_sweep.tile_row("hopper", 4096, pointer):
+        cfg = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)
+        assert not cfg.get("TMA") and cfg["BLOCK_M"] == 256
+    cfg = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)
+    assert cfg["TMA"] and cfg["BLOCK_N"] == 256
 
 
 def test_a_case_holds_nothing_once_it_is_measured(monkeypatch):
@@ -295,7 +317,7 @@ def test_measured_kind_rows_apply_to_their_kind_only():
     import torch
 
     hopper = dict(generation="hopper", sms=132)
-    linear = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)
+    linear = gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", tma=False, **hopper)  # the pointer kernel's
     assert (linear["BLOCK_M"], linear["BLOCK_N"], linear["BLOCK_K"]) == (256, 128, 64)
     assert gemm_linear.plan(4096, 28672, 4096, torch.float32, "cuda", **hopper)["BLOCK_M"] == 128  # bf16-measured only
     block = gemm_fp8.plan(4096, 28672, 4096, "cuda", True, **hopper)
@@ -309,5 +331,5 @@ def test_measured_kind_rows_apply_to_their_kind_only():
     with tile_sweep.tile_row("hopper", 4096, row):
         assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)["BLOCK_N"] == 64
         assert gemm_fp8.plan(4096, 28672, 4096, "cuda", True, **hopper)["BLOCK_N"] == 64
-    assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", **hopper)["BLOCK_M"] == 256
+    assert gemm_linear.plan(4096, 28672, 4096, torch.bfloat16, "cuda", tma=False, **hopper)["BLOCK_M"] == 256
     assert "hopper" in common.KIND_TILES

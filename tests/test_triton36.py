@@ -20,6 +20,7 @@ VERSION = "3.6.0"
 # (test, the kernel file it runs): one per Triton kernel file.
 SUBSET = [
     ("tests/test_gemm_linear.py::test_strided_inputs", "gemm_linear"),
+    ("tests/test_gemm_linear_tma.py::test_tma_kernel_every_tile_written_once", "gemm_linear"),  # TMA descriptors
     ("tests/test_gemm_quant.py::test_w8a8_int32_accumulation_is_exact", "gemm_w8a8"),
     ("tests/test_gemm_quant.py::test_w8a8_split_k_is_bit_exact[5-33-129-2]", "gemm_w8a8"),  # split-K + int32 reduce
     ("tests/test_gemm_quant.py::test_gptq_and_awq_layouts_agree", "gemm_w4a16"),

@@ -194,6 +194,11 @@ def test_signature_types_arguments_by_naming_convention():
 
     gemm = _aot.signature(gemm_linear.AOT_VARIANTS[0])
     assert gemm["x_ptr"] == "*bf16" and gemm["M"] == gemm["K"] == "i32" and gemm["BLOCK_K"] == "constexpr"
+    tma = next(v for v in gemm_linear.AOT_VARIANTS if v.kernel is gemm_linear._linear_tma_kernel)
+    sig = _aot.signature(tma)
+    assert sig["x_desc"] == sig["y_desc"] == tma.pointer.replace("*", "desc*") and sig["bias_ptr"] == tma.pointer
+    desc = _aot.launch_arguments(tma)["w_desc"]  # a host-side descriptor of the plan's block, as launched
+    assert list(desc.block_shape) == [tma.constexprs["BLOCK_N"], tma.constexprs["BLOCK_K"]] and desc.strides[-1] == 1
     attn = _aot.signature(attention_prefill.AOT_VARIANTS[0])
     assert attn["K"] == "*fp16" and attn["CuSeqlensQ"] == "*i32" and attn["qk_scale"] == "fp32"
     assert attn["head_dim"] == "i32" and attn["CAUSAL"] == "constexpr"
@@ -244,7 +249,8 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     assert _aot.fast_path_problems(scalar, norm, "sm_90") == []  # no tl.dot: nothing to expect
     assert _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, bf16_gemm, "sm_90") == []
     # a 128-row tile on 8 warps must be a warp-group MMA on Hopper
-    big = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.constexprs.get("BLOCK_M") == 128)
+    big = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.constexprs.get("BLOCK_M") == 128
+               and v.kernel is gemm_linear._linear_kernel)
     assert "not wgmma" in _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, big, "sm_90")[0]
     assert _aot.fast_path_problems({"mma": "wgmma", "copy": "cp.async16"}, big, "sm_90") == []
     # unit strides declared: 16-byte copies expected, except in the unaligned specialisation
@@ -252,6 +258,12 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     assert "scalar loads" in _aot.fast_path_problems(narrow, big, "sm_90")[0]
     assert _aot.fast_path_problems(narrow, big, "sm_90", aligned=False) == []
     assert "scalar loads" in _aot.fast_path_problems({"mma": "mfma", "copy": "narrow"}, big, "gfx942")[0]
+    # a kernel with tensor descriptors must load by TMA on Hopper (also in the unaligned specialisation)
+    tma = next(v for v in gemm_linear.AOT_VARIANTS if v.kernel is gemm_linear._linear_tma_kernel)
+    assert _aot.fast_path_problems({"mma": "wgmma", "copy": "tma"}, tma, "sm_90") == []
+    for found in ({"mma": "wgmma", "copy": "cp.async16"}, {"mma": "wgmma", "copy": "narrow"}):
+        assert "not TMA" in _aot.fast_path_problems(found, tma, "sm_90", aligned=False)[0]
+    assert "not wgmma" in _aot.fast_path_problems({"mma": "mma.sync", "copy": "tma"}, tma, "sm_90")[0]
 
 
 def test_w4a16_dequantises_without_int_to_float_conversions(tmp_path):

@@ -76,6 +76,7 @@ class AotVariant:
     targets: tuple = tuple(TARGETS)
     values: dict = field(default_factory=dict)  # example values of int arguments (default ALIGNED_INT)
     accept_spills: dict = field(default_factory=dict)  # target (or "<target> unaligned") -> why spills are accepted
+    descriptors: dict = field(default_factory=dict)  # argument name -> block shape of a 2-D TMA descriptor
 
     @property
     def name(self) -> str:
@@ -84,15 +85,18 @@ class AotVariant:
 
 
 def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=None, values=None,
-            accept_spills=None, **types) -> AotVariant:
+            accept_spills=None, descriptors=None, **types) -> AotVariant:
     """One compile of ``kernel``. Arguments not in ``constexprs`` or ``types`` are typed by
     name (see :func:`signature`): pointers get ``pointer``, everything else is ``i32``
     (sizes, strides); float scalars must be named in ``types`` (``eps="fp32"``). ``values``
     gives example values of int arguments where the default (a multiple of 16) is not what
     a launch passes, e.g. ``stride_d=1`` for a unit stride (the JIT makes it a constant).
     ``accept_spills``: target -> the reason spills there are accepted (else a spill fails);
-    ``"<target> unaligned"`` accepts them in the unaligned specialisation only."""
-    unknown = (set(constexprs) | set(types) | set(values or {})) - set(kernel.arg_names)
+    ``"<target> unaligned"`` accepts them in the unaligned specialisation only.
+    ``descriptors``: argument name -> block shape of a 2-D tensor descriptor argument (a
+    host-side ``TensorDescriptor`` over ``pointer``'s dtype, or ``types[name]``'s), as the
+    launcher passes one."""
+    unknown = (set(constexprs) | set(types) | set(values or {}) | set(descriptors or {})) - set(kernel.arg_names)
     if unknown:
         raise TypeError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown)}")
     bad = set(accept_spills or {}) - set(TARGETS) - {f"{t} unaligned" for t in TARGETS}
@@ -100,7 +104,8 @@ def variant(kernel, constexprs: dict, *, pointer="*fp16", options=None, targets=
         raise TypeError(f"accept_spills names unknown target(s) {sorted(bad)}; keys are a target of "
                         f"{sorted(TARGETS)}, optionally followed by ' unaligned'")
     return AotVariant(kernel, dict(constexprs), dict(types), pointer, dict(options or {}),
-                      tuple(targets or TARGETS), dict(values or {}), dict(accept_spills or {}))
+                      tuple(targets or TARGETS), dict(values or {}), dict(accept_spills or {}),
+                      {name: tuple(block) for name, block in (descriptors or {}).items()})
 
 
 def per_target(table: dict):
@@ -131,6 +136,8 @@ def signature(v: AotVariant) -> dict:
     for name in names:
         if name in v.constexprs or name in declared:  # an omitted constexpr takes its default
             sig[name] = "constexpr"
+        elif name in v.descriptors:
+            sig[name] = "desc" + v.types.get(name, v.pointer)
         elif name in v.types:
             sig[name] = v.types[name]
         elif name.endswith("_ptr") if suffixed else name[0].isupper():
@@ -241,6 +248,12 @@ def launch_arguments(v: AotVariant, aligned: bool = True) -> dict:
                 args[name] = v.constexprs[name]
         elif kind.startswith("*"):
             args[name] = MockTensor(getattr(torch, _TORCH_DTYPES[kind[1:]]))
+        elif kind.startswith("desc*"):  # TMA needs 16-byte aligned row strides whatever the sizes
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            size = ALIGNED_INT if aligned else UNALIGNED_INT
+            args[name] = TensorDescriptor(MockTensor(getattr(torch, _TORCH_DTYPES[kind[5:]])), [size, size],
+                                          [ALIGNED_INT, 1], list(v.descriptors[name]))
         elif kind.startswith(("fp", "bf")):
             args[name] = 1.5  # floats are never specialised
         elif name in v.values:
@@ -370,7 +383,7 @@ def expected_mma(v: AotVariant, target: str) -> str | None:
 def fast_path_problems(found: dict, v: AotVariant, target: str, aligned: bool = True) -> list[str]:
     """A regression to scalar code: a dot without the MMA :func:`expected_mma` wants, or (in
     a variant declaring unit strides, aligned) tiles loaded without the target's 16-byte
-    paths (:data:`FAST_COPIES`)."""
+    paths (:data:`FAST_COPIES`); a variant with tensor descriptors must load by TMA on sm_90."""
     want, problems = expected_mma(v, target), []
     if want == "wgmma" and found.get("mma") != "wgmma":
         problems.append(f"tl.dot on a {v.constexprs.get('BLOCK_M')}-row tile compiled to {found.get('mma') or 'FMAs'}, "
@@ -378,6 +391,10 @@ def fast_path_problems(found: dict, v: AotVariant, target: str, aligned: bool = 
     elif want is not None and found.get("mma") is None:
         problems.append(f"tl.dot compiled to scalar FMAs: no {'wgmma/mma.sync' if target == 'sm_90' else 'MFMA'} "
                         f"instruction (a regression to scalar code)")
+    if v.descriptors and target == "sm_90" and found.get("copy") != "tma":
+        problems.append(f"tiles loaded by {found.get('copy')} copies, not TMA (cp.async.bulk.tensor): the kernel's "
+                        f"tensor descriptors were lowered to pointer loads")
+        return problems
     unit = any(name.startswith("stride") and value == 1 for name, value in v.values.items())
     if want is not None and aligned and unit and found.get("copy") not in FAST_COPIES[target]:
         problems.append(f"tiles loaded by {found.get('copy')} copies, not {' / '.join(FAST_COPIES[target])} "

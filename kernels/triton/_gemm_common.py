@@ -86,6 +86,17 @@ KIND_TILES: dict[str, dict[str, dict[int | None, dict]]] = {
     },
 }
 
+# Hopper's TMA GEMM (gemm_linear's persistent kernel, :func:`tma_plan`): at prefill M, 16-bit
+# operands, a plan without split-K. The copy engine loads A and B tiles by descriptor (zero
+# fill past M, N and K: no masks or address arithmetic in the K loop), one program per SM
+# walks the output tiles, and the tile loop is flattened into the K loop, so the next tile's
+# loads are in flight during this tile's epilogue. 128x256 tiles of 64 K, 3 stages: 144 KiB
+# staged plus the 64 KiB output tile the TMA store reads from, of the 227 KiB.
+TMA_TILES = {
+    "hopper": _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3),
+}
+TMA_MIN_M = 129  # the prefill bucket: at fewer rows the pointer rows (thin tiles, split-K) fill the GPU
+
 MIN_K_STEPS_PER_SPLIT = 4  # below this the prologue/epilogue of a split outweighs its loop
 MAX_SPLIT_K = 16
 WAVES = 2  # split until about this many programs per SM are in flight
@@ -125,12 +136,13 @@ def buffered_stages(cfg: dict, generation: str) -> int:
     return max(1, stages - 1) if generation.startswith("cdna") else stages
 
 
-def fit_shared(cfg: dict, generation: str, a_bytes: float, b_bytes: float) -> dict:
+def fit_shared(cfg: dict, generation: str, a_bytes: float, b_bytes: float, epilogue_bytes: int = 8192) -> dict:
     """Fewer stages (down to 2), then a shorter K step, until the staged tiles fit the
-    generation's shared-memory limit (with 8 KiB left for the epilogue's layout conversion)."""
+    generation's shared-memory limit with ``epilogue_bytes`` left for the epilogue (8 KiB for
+    its layout conversion; a TMA store stages the whole output tile)."""
     if generation == "interpreter":
         return cfg
-    limit = SHARED_LIMIT.get(generation, SHARED_LIMIT["default"]) - 8192
+    limit = SHARED_LIMIT.get(generation, SHARED_LIMIT["default"]) - epilogue_bytes
     cfg = dict(cfg)
     while buffered_stages(cfg, generation) * stage_bytes(cfg, a_bytes, b_bytes) > limit:
         if cfg["num_stages"] > 2:
@@ -202,6 +214,30 @@ def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | N
     return cfg
 
 
+def tma_plan(m: int, n: int, k: int, device, a_bytes: int, *, generation: str | None = None,
+             sms: int | None = None, force: bool = False) -> dict | None:
+    """Launch plan of the persistent TMA kernel (``TMA: True``, ``NUM_PROGRAMS``: one program
+    per SM, at most one per output tile), or None where it does not serve: no TMA row for the
+    generation, fewer than TMA_MIN_M rows, operands other than 16-bit, or a tile grid too
+    small to fill the SMs (split-K does better there). ``force``: a plan whatever the shape,
+    from the generation's prefill row where it has no TMA row (tests, the interpreter)."""
+    generation = generation or generation_of(device)
+    sms = sms if sms is not None else sm_count(device)
+    row = TMA_TILES.get(generation)
+    if not force and (row is None or m < TMA_MIN_M or a_bytes != 2):
+        return None
+    cfg = dict(row if row is not None else TILES[generation][-1][1])
+    k_bytes = cfg.pop("K_BYTES", None)
+    if k_bytes is not None:
+        cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
+    cfg = fit_shared(cfg, generation, a_bytes, a_bytes, epilogue_bytes=cfg["BLOCK_M"] * cfg["BLOCK_N"] * a_bytes)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if not force and tiles < sms:
+        return None
+    cfg.update(TMA=True, NUM_PROGRAMS=max(1, min(sms, tiles)), SPLIT_K=1, K_PER_SPLIT=k)
+    return cfg
+
+
 def launch_options(cfg: dict) -> dict:
     return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
@@ -221,10 +257,15 @@ def splitk_workspace(plan: dict, m: int, n: int, like: torch.Tensor) -> torch.Te
 
 @triton.jit
 def tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of this program, walking bands of GROUP_M row tiles column by
-    column, so programs running together share column tiles of the weight and row tiles of x
-    in L2 instead of sweeping all of x for each column tile."""
-    pid = tl.program_id(0)
+    """(row tile, column tile) of this program (one output tile per program)."""
+    return grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile ``pid``, walking bands of GROUP_M row tiles column
+    by column, so programs running together share column tiles of the weight and row tiles of
+    x in L2 instead of sweeping all of x for each column tile."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_band = GROUP_M * tiles_n
@@ -289,6 +330,14 @@ def activate(y, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def finish_tile(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
+    """The epilogue on a finished fp32 tile: + bias (of columns ``cols``), then the activation."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return activate(acc, ACTIVATION)
+
+
+@triton.jit
 def store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn,
                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, ACCUMULATE: tl.constexpr):
     """Write a program's fp32 tile: finished (bias, activation, one rounding; with ACCUMULATE
@@ -297,9 +346,7 @@ def store_tile(acc, y_ptr, bias_ptr, rows, cols, M, N, stride_ym, stride_yn,
     workspace."""
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        acc = activate(acc, ACTIVATION)
+        acc = finish_tile(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
         ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols.to(tl.int64)[None, :] * stride_yn
         if ACCUMULATE:
             acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)

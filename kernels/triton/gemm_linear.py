@@ -8,9 +8,16 @@ per M range and architecture (see there for why). Unsplit, the epilogue applies 
 activation to the fp32 accumulator before the single rounding; split, the splits' fp32
 partials are summed in a fixed order by the reduce kernel, which then does the same.
 Ragged M, N and K edges are masked (out-of-range loads read 0).
+
+On Hopper at prefill M (:func:`graft.kernels.triton._gemm_common.tma_plan`) a second kernel
+serves: persistent, one program per SM, its tiles loaded and stored by TMA descriptors
+(:func:`_linear_tma_kernel`). It needs what a descriptor needs (16-byte aligned bases and row
+strides, unit column strides: an activation [M, K] and an nn.Linear weight [N, K] as they
+are); any other layout, ``accumulate`` or a forced split count takes the pointer kernel.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -26,7 +33,9 @@ from graft.kernels.triton._gemm_common import (
     SM_COUNT,
     a_tile_ptrs,
     b_tile_ptrs,
+    finish_tile,
     gemm_plan,
+    grouped_tile,
     launch_options,
     load_tiles,
     reduce_aot_variants,
@@ -35,9 +44,11 @@ from graft.kernels.triton._gemm_common import (
     splitk_workspace,
     store_tile,
     tile_constexprs,
+    tma_plan,
 )
 
 _FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -73,15 +84,87 @@ def _linear_kernel(
                ACCUMULATE)
 
 
-def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, **what_if) -> dict:
-    """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count."""
+@triton.jit
+def _linear_tma_kernel(
+    x_desc, w_desc, y_desc, bias_ptr,
+    M, N, K, NUM_PROGRAMS,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """y = act(x @ weight.T + bias), persistent: program p computes output tiles p,
+    p + NUM_PROGRAMS, ... in grouped order. x [M, K], weight [N, K] and y [M, N] are TMA
+    descriptors (blocks [BLOCK_M, BLOCK_K], [BLOCK_N, BLOCK_K], [BLOCK_M, BLOCK_N]): loads
+    past M, N or K are zero-filled by the copy engine and stores past M, N are clipped, so
+    the K loop has no masks. ``flatten`` merges the tile loop into the K loop for the software
+    pipeliner: the next tile's first loads are issued during this tile's epilogue."""
+    first = tl.program_id(0)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(first, tiles, NUM_PROGRAMS, flatten=True):
+        tile_m, tile_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = tile_m * BLOCK_M
+        off_n = tile_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_steps):
+            a = x_desc.load([off_m, kk * BLOCK_K])
+            b = w_desc.load([off_n, kk * BLOCK_K])
+            acc = dot_acc(a, b.T, acc, UPCAST, PRECISION)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = finish_tile(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, tma: bool = True,
+         **what_if) -> dict:
+    """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count;
+    ``tma``: the persistent TMA kernel's plan (``TMA: True``) where it serves this shape."""
     size = dtype.itemsize
     # the measured rows of kind "linear" are for 16-bit operands (the sweep's bf16)
-    return gemm_plan(m, n, k, device, size, split_k=split_k, kind="linear" if size == 2 else None, **what_if)
+    cfg = gemm_plan(m, n, k, device, size, split_k=split_k, kind="linear" if size == 2 else None, **what_if)
+    if tma and split_k is None and cfg["SPLIT_K"] == 1:
+        return tma_plan(m, n, k, device, size, **what_if) or cfg
+    return cfg
+
+
+def tma_layout_problem(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> Optional[str]:
+    """Why ``a [M, K]``, ``b [K, N]`` (read as the weight ``b.T [N, K]``) and ``y [M, N]`` do not
+    fit TMA descriptors, or None. A descriptor needs a unit last stride and a 16-byte aligned
+    base and row stride (the copy engine addresses rows in 16-byte units)."""
+    if a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype or y.dtype != a.dtype:
+        return f"operands and output must be one of fp16/bf16, got {a.dtype}, {b.dtype}, {y.dtype}"
+    for name, t in (("a", a), ("b.T", b.t()), ("out", y)):
+        size = t.element_size()
+        if t.stride(1) != 1 or (t.stride(0) * size) % 16 or t.data_ptr() % 16:
+            return (f"{name} has strides {tuple(t.stride())} and base at {t.data_ptr() % 16} bytes past 16-byte "
+                    f"alignment: needs a unit last stride and a row stride of a multiple of {16 // size} elements")
+    return None
+
+
+_tma_failed: dict = {}  # (dtype, device type) -> why the TMA kernel could not be launched there
+
+
+def _launch_tma(cfg: dict, a, b, bias, y, activation: str) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    m, k = a.shape
+    n = b.shape[1]
+    _linear_tma_kernel[(cfg["NUM_PROGRAMS"],)](
+        TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk]),
+        TensorDescriptor(b.t(), [n, k], [b.stride(1), 1], [bn, bk]),
+        TensorDescriptor(y, [m, n], [y.stride(0), 1], [bm, bn]),
+        bias if bias is not None else y, m, n, k, cfg["NUM_PROGRAMS"],
+        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
+    )  # fmt: skip
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "none",
-           out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, accumulate: bool = False) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, accumulate: bool = False,
+           tma: Optional[bool] = None) -> torch.Tensor:
     """``act(a @ b + bias)`` for 2-D ``a [M, K]``, ``b [K, N]`` of one float dtype and any
     strides (pass ``w.t()`` for a weight [N, K], ``dy.t()`` for dW: no copies), fp32
     accumulation, into ``out`` (any strides, a's dtype or fp32) or a new [M, N] tensor;
@@ -90,6 +173,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
 
     A plain launcher, not a custom op: call it inside a torch.library op (gemm.linear's,
     or a backward's). ``split_k`` forces the split count (default: :func:`plan`'s choice).
+    ``tma``: None, the persistent TMA kernel where the plan picks it and the layout fits
+    descriptors; True forces it (ValueError where the layout or arguments do not fit); False
+    never. Where its compilation or launch fails, the pointer kernel serves from then on, the
+    reason logged once.
     """
     m, k = a.shape
     n = b.shape[1]
@@ -104,7 +191,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
         zero = torch.zeros((m, n), dtype=torch.float32, device=a.device)
         epilogue = apply_activation(zero + (bias.float() if bias is not None else 0), activation)
         return y.add_(epilogue.to(y.dtype)) if accumulate else y.copy_(epilogue)
-    cfg = plan(m, n, k, a.dtype, a.device, split_k)
+    if tma:
+        problem = ("it cannot accumulate" if accumulate else "it does not split K" if split_k is not None
+                   else tma_layout_problem(a, b, y))
+        if problem:
+            raise ValueError(f"matmul(tma=True): the TMA kernel cannot serve this call: {problem}")
+        cfg = tma_plan(m, n, k, a.device, a.element_size(), force=True)
+    else:
+        cfg = plan(m, n, k, a.dtype, a.device, split_k, tma=tma is None and not accumulate)
+    if cfg.get("TMA"):
+        key = (a.dtype, a.device.type)
+        if tma or (key not in _tma_failed and tma_layout_problem(a, b, y) is None):
+            try:
+                with on_device(a):
+                    _launch_tma(cfg, a, b, bias, y, activation)
+                return y
+            except Exception as exc:  # a compiler or driver without TMA support: the pointer kernel serves
+                if tma:
+                    raise
+                _tma_failed[key] = f"{type(exc).__name__}: {exc}"
+                _log.warning("graft: the TMA GEMM kernel failed on %s %s (%s); the pointer kernel serves from now on",
+                             a.device, a.dtype, _tma_failed[key])
+        cfg = plan(m, n, k, a.dtype, a.device, split_k, tma=False)
     splits = cfg["SPLIT_K"]
     target = splitk_workspace(cfg, m, n, a) if splits > 1 else y
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), splits)
@@ -156,11 +264,13 @@ def aot_plans(target: str, dtype: torch.dtype):
     ``target`` for ``dtype`` over AOT_SHAPES x AOT_MS."""
     generation = GENERATION[target]
     seen: dict = {}
-    for m in AOT_MS:
-        for n, k in AOT_SHAPES:
-            cfg = plan(m, n, k, dtype, "cuda", generation=generation, sms=SM_COUNT[generation])
-            key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
-            seen.setdefault(key, cfg)
+    for tma in (False, True):  # the pointer kernel also serves where TMA would: layouts descriptors cannot take
+        for m in AOT_MS:
+            for n, k in AOT_SHAPES:
+                cfg = plan(m, n, k, dtype, "cuda", tma=tma, generation=generation, sms=SM_COUNT[generation])
+                key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()),
+                       cfg.get("TMA", False))
+                seen.setdefault(key, cfg)
     return list(seen.values())
 
 
@@ -171,13 +281,16 @@ UNIT_STRIDES = dict(stride_xk=1, stride_wk=1, stride_yn=1)
 
 def _aot_variants():
     """Every plan per target and dtype (the first: bf16, the quick one); bf16 with every
-    activation on the prefill tile; fp32 with TF32 and IEEE."""
+    activation on the prefill tile; fp32 with TF32 and IEEE; the TMA kernel on the plans that
+    pick it (sm_90, prefill M, 16-bit), with descriptors of its blocks."""
     from graft.ops.gemm import ACTIVATIONS
 
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     for target in TARGETS:
         for dtype, name in names.items():
             plans = aot_plans(target, dtype)
+            tma_plans = [cfg for cfg in plans if cfg.get("TMA")]
+            plans = [cfg for cfg in plans if not cfg.get("TMA")]
             if dtype == torch.float16:
                 plans = plans[-1:]  # the same resources as bf16: one plan checks the dtype compiles
             for i, cfg in enumerate(plans):
@@ -195,9 +308,16 @@ def _aot_variants():
                                      **tile_constexprs(cfg))
                         yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
                                       targets=(target,), values=UNIT_STRIDES)
+            for cfg in tma_plans:  # after the pointer plans: the first variant is the quick one
+                bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+                for act in ("none", "silu"):
+                    flags = dict(HAS_BIAS=act != "none", ACTIVATION=act, UPCAST=False, PRECISION="ieee",
+                                 **tile_constexprs(cfg))
+                    yield variant(_linear_tma_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
+                                  targets=(target,), descriptors=dict(x_desc=(bm, bk), w_desc=(bn, bk), y_desc=(bm, bn)))
         # The fused linear cross-entropy's dW (Llama-3: vocabulary 128256, hidden 4096, chunks of
         # 2048 tokens): logits.T [V, C] (M contiguous) @ x [C, H], added to an fp32 dW.
-        cfg = plan(128256, 4096, 2048, torch.bfloat16, "cuda", generation=GENERATION[target],
+        cfg = plan(128256, 4096, 2048, torch.bfloat16, "cuda", tma=False, generation=GENERATION[target],
                    sms=SM_COUNT[GENERATION[target]])
         flags = dict(HAS_BIAS=False, ACTIVATION="none", SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, UPCAST=False,
                      PRECISION="ieee", ACCUMULATE=True, **tile_constexprs(cfg))
