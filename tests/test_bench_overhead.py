@@ -31,6 +31,8 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
     # comparison with the function a framework calls itself (torch's F.rms_norm here).
     assert isinstance(row["real_call_delta_us"], float) and row["public_us"] > 0
     assert isinstance(row["real_noise_us"], float)  # the A/A control beside it
+    # rounds are added until the delta is known to 0.2 us (or the op's budget is spent)
+    assert row["real_rounds"] >= 15 and row["real_rounds"] % 15 == 0 and row["real_call_delta_se_us"] >= 0
     assert row["framework"] == "torch.nn.functional.rms_norm" and row["framework_us"] > 0
     for entry in summary.values():
         assert set(entry) >= {"worst", "target", "met"} and entry["met"] == (entry["worst"] <= entry["target"])
@@ -59,3 +61,29 @@ def test_summary_counts_torchtitan_steps():
 
     summary = summarize({"megatron": [{"tp": 1, "ratio": 1.01}], "torchtitan": [{"tp": 2, "ratio": 1.07}]})
     assert summary["framework_step_ratio"]["step"] == "torchtitan TP2" and not summary["framework_step_ratio"]["met"]
+
+
+def test_rounds_are_added_until_the_difference_is_known():
+    """interleaved_until: a stable difference stops after the first batch; a noisy one gets
+    batches until its standard error is below the target, or the budget is spent."""
+    import itertools
+    import time
+
+    from graft.bench.timing import Timings, interleaved_until
+
+    def spin(us):
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    jitter = itertools.cycle([0, 400, 0, 0, 800, 0, 50, 0, 1200, 0, 0, 300])
+    steady = {"a": lambda: spin(30), "b": lambda: spin(20)}
+    t = interleaved_until(steady, "a", "b", target_se=5e-6, budget_s=10.0, rounds=10)
+    assert len(t.samples["a"]) == 10 and 5e-6 < t.difference("a", "b") < 20e-6
+    noisy = {"a": lambda: spin(next(jitter)), "b": lambda: spin(0)}
+    t = interleaved_until(noisy, "a", "b", target_se=1e-9, budget_s=0.3, rounds=10)
+    assert len(t.samples["a"]) > 10 and len(t.samples["a"]) % 10 == 0  # more batches, then the budget ended it
+    # the standard error: 1.2533 x 1.4826 x MAD / sqrt(n); fewer than 3 rounds tell nothing
+    two = Timings({}, {"a": [3.0, 1.0, 2.0, 7.0], "b": [0.0, 0.0, 0.0, 0.0]})
+    assert abs(two.difference_se("a", "b") - 1.2533 * 1.4826 * 1.0 / 2) < 1e-12
+    assert Timings({}, {"a": [1.0, 2.0], "b": [0.0, 0.0]}).difference_se("a", "b") == float("inf")

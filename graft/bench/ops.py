@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from graft.bench.timing import interleaved
+from graft.bench.timing import interleaved, interleaved_until
 from graft.platform import dtype_name
 
 
@@ -108,7 +108,11 @@ def custom_op_cost(rounds: int, inner: int) -> dict:
 
 
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
-            stub_rounds: int = 301, stub_inner: int = 100) -> list:
+            stub_rounds: int = 301, stub_inner: int = 100, delta_se_us: float = 0.2, delta_budget_s: float = 0.0) -> list:
+    """Per op: the real call against the implementation it selected, and graft's own cost
+    (see the module doc). The real call runs ``rounds`` interleaved rounds of ``inner`` calls,
+    repeated while the real-call delta's standard error is above ``delta_se_us`` and the op's
+    ``delta_budget_s`` lasts (0: one batch)."""
     import graft
 
     registry = graft.get_registry()
@@ -137,17 +141,23 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         if framework is not None:
             calls["framework"] = framework[1]
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            real = interleaved(calls, rounds=rounds, inner=inner, sync=sync)
+            if public is not None and delta_budget_s > 0:
+                real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, delta_budget_s, rounds,
+                                         inner=inner, sync=sync)
+            else:
+                real = interleaved(calls, rounds=rounds, inner=inner, sync=sync)
             output = direct(*args, **kwargs)
-        progress(f"  {op:32s} real call measured")
+        real_rounds = len(real.samples["direct"])
+        progress(f"  {op:32s} real call measured ({real_rounds} rounds of {inner})")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
                "real_overhead_us": real.difference("graft", "direct") * 1e6,
-               "real_noise_us": real.difference("again", "direct") * 1e6}
+               "real_noise_us": real.difference("again", "direct") * 1e6, "real_rounds": real_rounds}
         if public is not None:
             # The real-call delta: the public op against the implementation it selected, both real.
             row["public_us"] = real["public"] * 1e6
             row["real_call_delta_us"] = real.difference("public", "direct") * 1e6
+            row["real_call_delta_se_us"] = real.difference_se("public", "direct") * 1e6
         if framework is not None:
             # Against the function a framework would have called without graft (its own baseline).
             row["framework"] = framework[0]
@@ -182,7 +192,8 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         progress(f"  {row['op']:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
                  f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
                  f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)"
-                 + (f", public op {row['real_call_delta_us']:+5.2f} us" if "real_call_delta_us" in row else "")
+                 + (f", public op {row['real_call_delta_us']:+5.2f} +- {row['real_call_delta_se_us']:.2f} us"
+                    if "real_call_delta_us" in row else "")
                  + f" (A/A control {row['real_noise_us']:+5.2f} us)"
                  + (f", vs {row['framework']} {row['vs_framework_us']:+5.2f} us" if "framework" in row else ""))
     return rows

@@ -4,6 +4,7 @@ are medians of per-round ratios (each pair measured back to back, so a slow spel
 machine cancels within the pair instead of skewing one side's median)."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -24,6 +25,17 @@ class Timings(dict):
     def difference(self, name: str, baseline: str) -> float:
         """Median over rounds of ``name``'s time minus ``baseline``'s in the same round (seconds)."""
         return statistics.median(a - b for a, b in zip(self.samples[name], self.samples[baseline]))
+
+    def difference_se(self, name: str, baseline: str) -> float:
+        """Standard error of :meth:`difference` (seconds): the per-round differences' spread,
+        robustly (1.4826 x their median absolute deviation: a few rounds the machine stalled in
+        do not inflate it), times the median's 1.2533 / sqrt(rounds). inf below 3 rounds."""
+        diffs = [a - b for a, b in zip(self.samples[name], self.samples[baseline])]
+        if len(diffs) < 3:
+            return math.inf
+        mid = statistics.median(diffs)
+        mad = statistics.median(abs(d - mid) for d in diffs)
+        return 1.2533 * 1.4826 * mad / math.sqrt(len(diffs))
 
 
 def interleaved(variants: dict, rounds: int, inner: int = 1, warmup: int = 1,
@@ -68,3 +80,21 @@ def framework_steps(steps: dict, losses: dict, calls: dict, rounds: int, baselin
             "ratio": times.ratio("graft", baseline),
             "served": {k: v - start.get(k, 0) for k, v in calls.items() if v != start.get(k, 0)},
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses[baseline]))}
+
+
+def interleaved_until(variants: dict, name: str, baseline: str, target_se: float, budget_s: float, rounds: int,
+                      inner: int = 1, sync: Callable | None = None) -> Timings:
+    """:func:`interleaved` in batches of ``rounds`` rounds until the difference ``name`` -
+    ``baseline`` is known to ``target_se`` seconds (:meth:`Timings.difference_se`) or
+    ``budget_s`` seconds are spent (at least one batch): a difference of a microsecond between
+    calls of a few hundred microseconds needs hundreds of rounds on a noisy machine, a cheap
+    call a few dozen."""
+    start = time.perf_counter()
+    samples: dict[str, list] = {n: [] for n in variants}
+    while True:
+        batch = interleaved(variants, rounds=rounds, inner=inner, warmup=0 if samples[name] else 1, sync=sync)
+        for n, values in batch.samples.items():
+            samples[n].extend(values)
+        times = Timings({n: statistics.median(v) for n, v in samples.items()}, samples)
+        if times.difference_se(name, baseline) <= target_se or time.perf_counter() - start >= budget_s:
+            return times
