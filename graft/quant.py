@@ -31,6 +31,15 @@ AWQ (AutoAWQ "GEMM" format, what vLLM's ``awq`` method loads)
     in nibble ``AWQ_NIBBLE_OF_COLUMN[j] = (j // 2) + 4 * (j % 2)``. ``qzeros [K/g, N/8]``
     use the same interleave and store the zero point itself. ``scales [K/g, N]``.
 
+GPTQ interleaved (``gptq_interleaved``: graft's offline layout for its W4A16 kernel, made once
+from a GPTQ checkpoint by :func:`interleave_gptq`)
+    GPTQ's ``qweight [K/8, N]``, ``qzeros`` and ``scales``, with the words' nibbles reordered in
+    each block of ``INTERLEAVE_K = 128`` rows of K: nibble ``j`` of word row ``r`` of block ``b``
+    (``qweight[16b + r, n]``) is ``q[128b + 16j + r, n]``. One shift of a block's 16 word rows
+    then gives 16 consecutive rows of K, the K of one tensor-core MMA, in the layout the words
+    were loaded in (GPTQ's nibble j of 8 consecutive rows needs an 8-way reshape per tile).
+    K must be a multiple of 128.
+
 Packing needs K (GPTQ) resp. N (AWQ, and GPTQ's qzeros) to be multiples of 8: other
 sizes are rejected with GraftInputError rather than padded, since a padded checkpoint
 would no longer match the layer's real shape.
@@ -44,7 +53,9 @@ from graft.errors import GraftInputError
 PACK_FACTOR = 8  # int4 codes per int32
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column AWQ_PACK_ORDER[i] of its group of 8
 AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_PACK_ORDER.index(j) for j in range(PACK_FACTOR))  # (0, 4, 1, 5, 2, 6, 3, 7)
-FORMATS = ("gptq", "awq")
+FORMATS = ("gptq", "awq", "gptq_interleaved")
+INTERLEAVE_K = 128  # rows of K per block of the gptq_interleaved layout
+_WORD_ROWS = INTERLEAVE_K // PACK_FACTOR  # word rows per block (16: one MMA's K per shift)
 
 _INT8_MAX = 127.0
 
@@ -209,21 +220,60 @@ def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor | None = None):
     return q, None if qzeros is None else _unpack_cols(qzeros, AWQ_PACK_ORDER)
 
 
+def _check_interleavable(qweight: torch.Tensor) -> None:
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise GraftInputError(f"qweight must be a 2-D int32 tensor of packed words, got {qweight.dtype} "
+                              f"{tuple(qweight.shape)}")
+    if qweight.shape[0] % _WORD_ROWS:
+        raise GraftInputError(f"the gptq_interleaved layout reorders K in blocks of {INTERLEAVE_K} rows, so K must "
+                              f"be a multiple of {INTERLEAVE_K}; got K={qweight.shape[0] * PACK_FACTOR}")
+
+
+def _block_order(codes: torch.Tensor, inner: int, outer: int) -> torch.Tensor:
+    """Rows of each block of 128 as [outer, inner] -> [inner, outer] (a transpose per block)."""
+    k, n = codes.shape
+    return codes.reshape(k // INTERLEAVE_K, outer, inner, n).transpose(1, 2).reshape(k, n)
+
+
+def interleave_gptq(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ ``qweight [K/8, N]`` -> the ``gptq_interleaved`` layout (same shape; qzeros and
+    scales are unchanged). Done once, when the weights are loaded (as vLLM repacks GPTQ for
+    Marlin); K must be a multiple of 128."""
+    _check_interleavable(qweight)
+    # packed row R = 16b + r, nibble j must hold K row 128b + 16j + r: list the codes in packing
+    # order (8R + j = 128b + 8r + j) by transposing each block's [j, r] rows to [r, j].
+    return _pack_rows(_block_order(_unpack_rows(qweight), inner=_WORD_ROWS, outer=PACK_FACTOR))
+
+
+def deinterleave_gptq(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_gptq`: back to GPTQ's ``qweight [K/8, N]``."""
+    _check_interleavable(qweight)
+    return _pack_rows(_block_order(_unpack_rows(qweight), inner=PACK_FACTOR, outer=_WORD_ROWS))
+
+
 def pack_int4(q: torch.Tensor, zeros: torch.Tensor | None, fmt: str):
-    """Pack for ``fmt`` in ``("gptq", "awq")``."""
+    """Pack for ``fmt`` in :data:`FORMATS`."""
     if fmt == "gptq":
         return pack_gptq(q, zeros)
     if fmt == "awq":
         return pack_awq(q, zeros)
+    if fmt == "gptq_interleaved":
+        if q.shape[0] % INTERLEAVE_K:
+            raise GraftInputError(f"the gptq_interleaved layout reorders K in blocks of {INTERLEAVE_K} rows, so K "
+                                  f"must be a multiple of {INTERLEAVE_K}; got K={q.shape[0]}")
+        qweight, qzeros = pack_gptq(q, zeros)
+        return interleave_gptq(qweight), qzeros
     raise GraftInputError(f"unknown int4 format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
 def unpack_int4(qweight: torch.Tensor, qzeros: torch.Tensor | None, fmt: str):
-    """Unpack for ``fmt`` in ``("gptq", "awq")``: ``(q [K, N], zeros or None)``."""
+    """Unpack for ``fmt`` in :data:`FORMATS`: ``(q [K, N], zeros or None)``."""
     if fmt == "gptq":
         return unpack_gptq(qweight, qzeros)
     if fmt == "awq":
         return unpack_awq(qweight, qzeros)
+    if fmt == "gptq_interleaved":
+        return unpack_gptq(deinterleave_gptq(qweight), qzeros)
     raise GraftInputError(f"unknown int4 format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 

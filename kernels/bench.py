@@ -245,7 +245,7 @@ def _gemm_cases(quick: bool, backends) -> list:
             return graft_impls("gemm.fp8", (x_q, w_q, xs, ws, None, dtype), backends), base
         return build
 
-    def w4a16(m, n, k):
+    def w4a16(m, n, k, fmt="gptq"):
         def build(device, dtype):
             import torch
 
@@ -256,11 +256,11 @@ def _gemm_cases(quick: bool, backends) -> list:
             groups = 1 if g == -1 else k // g
             q = torch.randint(0, 16, (k, n), device=device, generator=gen, dtype=torch.int32)
             z = torch.randint(1, 16, (groups, n), device=device, generator=gen, dtype=torch.int32)
-            qweight, qzeros = pack_int4(q, z, "gptq")
+            qweight, qzeros = pack_int4(q, z, fmt)
             scales = _randn((groups, n), device, dtype, gen, 1 / (4 * math.sqrt(k))).abs()
             x = _randn((m, k), device, dtype, gen)
             w = dequantize_int4(q, z, scales.float(), g).t().contiguous().to(dtype)  # the same weight, dense
-            args = (x, qweight, scales, qzeros, None, g, "gptq")
+            args = (x, qweight, scales, qzeros, None, g, fmt)
             return graft_impls("gemm.w4a16", args, backends), {"torch.matmul(bf16 weight)": lambda: torch.matmul(x, w.t())}
         return build
 
@@ -280,6 +280,9 @@ def _gemm_cases(quick: bool, backends) -> list:
                 ("fp8_tensor", fp8(m, n, k, False), m * k + n * k + 2 * m * n, "fp8"),
                 ("fp8_block", fp8(m, n, k, True), m * k + n * k + 2 * m * n + 4 * (m + -(-n // 128)) * groups, "fp8"),
                 ("w4a16_gptq", w4a16(m, n, k), 2 * m * k + n * k / 2 + 2 * m * n + 2.5 * groups * n, "bf16"),
+                # the same codes in graft's interleaved layout (K in blocks of 128: the Llama shapes)
+                *((("w4a16_gptq_interleaved", w4a16(m, n, k, "gptq_interleaved"),
+                    2 * m * k + n * k / 2 + 2 * m * n + 2.5 * groups * n, "bf16"),) if k % 128 == 0 else ()),
             ):
                 cases.append(Case("gemm", f"{op}_m{m}_n{n}_k{k}", dict(shape, op=op), build, tier, flops, nbytes, mma,
                                   compare_values=op != "fp8_block"))

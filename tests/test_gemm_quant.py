@@ -175,15 +175,21 @@ def test_gptq_and_awq_pack_conventions():
     assert qweight.dtype == torch.int32 and qweight.item() == -1
 
 
+def _k_for(fmt, k):
+    """K for a case in ``fmt``: gptq_interleaved packs K in blocks of 128 (rounded up to that)."""
+    return -(-k // quant.INTERLEAVE_K) * quant.INTERLEAVE_K if fmt == "gptq_interleaved" else k
+
+
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 @pytest.mark.parametrize("k, n, g", [(32, 8, 32), (64, 24, -1), (256, 136, 64)])
 def test_pack_unpack_roundtrip(fmt, k, n, g):
+    k = _k_for(fmt, k)
     gen = _gen(k + n)
     groups = 1 if g == -1 else k // g
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
     z = torch.randint(1, 16, (groups, n), generator=gen, dtype=torch.int32)
     qweight, qzeros = quant.pack_int4(q, z, fmt)
-    expected = (k // 8, n) if fmt == "gptq" else (k, n // 8)
+    expected = (k, n // 8) if fmt == "awq" else (k // 8, n)
     assert qweight.shape == expected and qweight.dtype == torch.int32
     assert qzeros.shape == (groups, n // 8) and qzeros.dtype == torch.int32
     q2, z2 = quant.unpack_int4(qweight, qzeros, fmt)
@@ -204,12 +210,33 @@ def test_pack_rejects_bad_input():
         quant.pack_awq(q.float())
     with pytest.raises(GraftInputError, match="unknown int4 format"):
         quant.pack_int4(q, None, "marlin")
+    with pytest.raises(GraftInputError, match="multiple of 128; got K=64"):
+        quant.pack_int4(torch.zeros(64, 8, dtype=torch.int32), None, "gptq_interleaved")
+    with pytest.raises(GraftInputError, match="multiple of 128; got K=64"):
+        quant.interleave_gptq(torch.zeros(8, 8, dtype=torch.int32))
+    with pytest.raises(GraftInputError, match="int32"):
+        quant.interleave_gptq(torch.zeros(16, 8, dtype=torch.int64))
+
+
+def test_gptq_interleaved_layout_is_pinned():
+    """Nibble j of word row r in a block of 128 rows of K holds row 16j + r: with q[k] = k // 16
+    every word of every block reads 0x76543210; de-interleaving gives GPTQ's words back."""
+    k = 256
+    q = (torch.arange(k, dtype=torch.int32) % 128 // 16).reshape(k, 1).expand(k, 3).contiguous()
+    gptq, _ = quant.pack_gptq(q)
+    interleaved = quant.interleave_gptq(gptq)
+    assert interleaved.shape == gptq.shape == (k // 8, 3)
+    assert (interleaved == 0x76543210).all()
+    assert not torch.equal(gptq, interleaved)  # GPTQ's word r holds rows 8r..8r+7: two slices per word
+    assert torch.equal(quant.deinterleave_gptq(interleaved), gptq)
+    assert torch.equal(quant.pack_int4(q, None, "gptq_interleaved")[0], interleaved)
 
 
 # ----------------------------------------------------------------------------- w4a16
 
 
 def _w4a16_inputs(lead, n, k, g, fmt, dtype, device, zeros=True, bias=False, seed=0):
+    k = _k_for(fmt, k)
     gen = _gen(seed)
     groups = 1 if g == -1 else k // g
     q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
@@ -275,6 +302,35 @@ def test_gptq_and_awq_layouts_agree(device):
     args[6] = "gptq"
     y_awq = G.w4a16(*_w4a16_inputs((4,), 8, 64, 32, "awq", torch.float32, device))
     torch.testing.assert_close(G.w4a16(*args), y_awq, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("g", [32, 128, -1])
+def test_gptq_interleaved_gives_gptqs_product(g, device):
+    """A GPTQ checkpoint interleaved once (graft.quant.interleave_gptq) gives the same GEMM: the
+    Triton kernel reads it as [16, N] slices per MMA instead of reshaping 8-row words."""
+    from graft.dispatch import select
+
+    args = list(_w4a16_inputs((5,), 24, 384, g, "gptq", torch.float16, device, bias=True))
+    y_gptq, gptq_args = G.w4a16(*args), tuple(args)
+    args[1], args[6] = quant.interleave_gptq(args[1]), "gptq_interleaved"
+    if device.type == "cpu":
+        assert select("gemm.w4a16", *args).backend == "triton"  # the kernel's interleaved path, interpreted
+    torch.testing.assert_close(G.w4a16(*args).float(), y_gptq.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(G.w4a16_reference(*args), G.w4a16_reference(*gptq_args), atol=0, rtol=0)
+
+
+def test_interleaved_layout_refused_where_it_cannot_be_read():
+    """K off the 128-row block is a clear input error; the HIP kernel (GPTQ/AWQ words only)
+    refuses the layout, so selection falls back instead of misreading the nibbles."""
+    from graft.kernels.hip import gemm as hip_gemm
+
+    args = list(_w4a16_inputs((2,), 16, 128, 32, "gptq_interleaved", torch.float16, "cpu"))
+    assert hip_gemm.check(*args) is not None and "gptq_interleaved" in hip_gemm.check(*args)
+    assert hip_gemm.check(*args[:6], "gptq") is None
+    x = torch.randn(2, 64, dtype=torch.float16)
+    with pytest.raises(GraftInputError, match="multiple of 128; got K=64"):
+        G.w4a16(x, torch.zeros(8, 16, dtype=torch.int32), torch.ones(2, 16, dtype=torch.float16), None, None, 32,
+                "gptq_interleaved")
 
 
 def test_w4a16_small_group_falls_back_to_reference(device):

@@ -112,11 +112,13 @@ def test_split_k_edge_cases(device):
     torch.testing.assert_close(empty_k, torch.relu(b).expand(4, 8))
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "gptq_interleaved"])
 @pytest.mark.parametrize("m, n, k, g, zeros, splits", [(1, 16, 256, 32, True, 4), (3, 24, 128, -1, False, 3),
                                                        (16, 40, 192, 64, True, 2),
                                                        (2, 16, 160, 32, True, 3)])  # last split: a step past K
 def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits, device):
+    if fmt == "gptq_interleaved":  # K in blocks of 128; a split of 32-row steps starts mid-block
+        k = -(-k // 128) * 128
     from graft.kernels.triton import gemm_w4a16
     from graft.quant import pack_int4
 
@@ -129,7 +131,7 @@ def test_w4a16_split_k_matches_reference(fmt, m, n, k, g, zeros, splits, device)
     x = torch.randn(m, k, generator=gen).half().to(device)
     b = torch.randn(n, generator=gen).half().to(device)
     # the interpreter's plan, launched on every device: a GPU's own plan may not split these K
-    cfg = gemm_w4a16.plan(m, n, k, x.dtype, "cpu", g, split_k=splits)
+    cfg = gemm_w4a16.plan(m, n, k, x.dtype, "cpu", g, split_k=splits, interleaved=fmt == "gptq_interleaved")
     assert cfg["SPLIT_K"] > 1 and (g == -1 or g % cfg["BLOCK_K"] == 0)
     orig = gemm_w4a16.plan
     try:

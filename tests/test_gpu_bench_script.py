@@ -150,7 +150,7 @@ def test_plan_order_baselines_and_roofline(tmp_path):
     tier0 = [c for c in plan if c.tier == 0]
     assert {c.family for c in tier0} == set(bench.FAMILIES) and len(tier0) <= 24
     assert {c.params["op"] for c in tier0 if c.family == "gemm"} == {
-        "linear_bf16", "w8a8", "fp8_tensor", "fp8_block", "w4a16_gptq"}
+        "linear_bf16", "w8a8", "fp8_tensor", "fp8_block", "w4a16_gptq", "w4a16_gptq_interleaved"}
 
     assert bench.main(["--device", "cpu", "--quick", "--backends", "torch", "--rounds", "1", "--out", str(tmp_path),
                        "--tag", "t", "--target", "mi300x", "--families", "gemm", "--match", "w8a8"]) == 0

@@ -12,7 +12,9 @@
   ``bias [N]`` any float dtype; output fp16 or bf16.
 * ``gemm.w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gptq")``:
   ``x @ W + bias`` with ``W [K, N]`` dequantized from 4-bit codes packed into int32 in
-  GPTQ or AWQ layout (see :mod:`graft.quant` for both layouts), group-wise ``scales
+  GPTQ or AWQ layout, or graft's ``gptq_interleaved`` (GPTQ's, nibbles reordered once by
+  :func:`graft.quant.interleave_gptq` for the Triton kernel; K a multiple of 128; see
+  :mod:`graft.quant` for the layouts), group-wise ``scales
   [K/g, N]`` and zero points ``qzeros [K/g, N/8]`` (``None``: symmetric, zero point 8).
   ``group_size`` -1 means one group over K (per channel). ``x [..., K]`` fp16/bf16/fp32.
 
@@ -36,7 +38,7 @@ from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.ops._validate import acc, check_same_device, check_tensor
-from graft.quant import FORMATS, FP8_BLOCK, PACK_FACTOR, dequantize_fp8, dequantize_int4, unpack_int4
+from graft.quant import FORMATS, FP8_BLOCK, INTERLEAVE_K, PACK_FACTOR, dequantize_fp8, dequantize_int4, unpack_int4
 from graft.registry import OpSpec
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -204,7 +206,7 @@ def validate_fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16
 def w4a16_dims(x, qweight, format):
     """``(K, N)`` of a W4A16 problem, from x and the packed weight's layout."""
     k = x.shape[-1]
-    n = qweight.shape[1] if format == "gptq" else qweight.shape[1] * PACK_FACTOR
+    n = qweight.shape[1] if format in ("gptq", "gptq_interleaved") else qweight.shape[1] * PACK_FACTOR
     return k, n
 
 
@@ -218,7 +220,10 @@ def validate_w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, f
     check_tensor(f"{op}: qweight", qweight, dtypes=(torch.int32,), ndim=2)
     check_same_device(x=x, qweight=qweight)
     k = x.shape[-1]
-    if format == "gptq":
+    if format == "gptq_interleaved" and k % INTERLEAVE_K:
+        raise GraftInputError(f"{op}: the gptq_interleaved layout reorders K in blocks of {INTERLEAVE_K} rows, so K "
+                              f"must be a multiple of {INTERLEAVE_K}; got K={k}")
+    if format in ("gptq", "gptq_interleaved"):
         if k % PACK_FACTOR:
             raise GraftInputError(f"{op}: GPTQ packs K along int32 rows, so K must be a multiple of 8; got K={k}")
         if qweight.shape[0] * PACK_FACTOR != k:
@@ -278,7 +283,7 @@ OPS = [
         name="gemm.w4a16",
         family="gemm",
         signature="w4a16(x[..., K], qweight int32, scales[K/g, N], qzeros[K/g, N/8]=None, bias[N]=None, "
-        "group_size=128, format='gptq'|'awq') -> y[..., N]",
+        "group_size=128, format='gptq'|'awq'|'gptq_interleaved') -> y[..., N]",
         reference=w4a16_reference,
         description="4-bit GPTQ/AWQ weights dequantized group-wise, fp16/bf16 activations",
         validate=validate_w4a16,
@@ -452,12 +457,14 @@ def _cases():
         make = _w8a8_inputs(m, n, k, False, False)
         cases.append(_case("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", make, W8A8_OUT_DTYPES, _GPU, _flops_w8a8))
     for fmt in FORMATS:
-        for lead, n, k, g, zeros, bias in [
-            ((1,), 8, 32, 32, True, False),
-            ((3,), 24, 64, -1, True, True),
-            ((17,), 136, 128, 64, False, False),
-            ((2, 3), 16, 256, 128, True, False),
-        ]:
+        # gptq_interleaved needs K in blocks of 128; its group of 32 takes 2 MMA slices per step
+        ks = (128, 128, 128, 256) if fmt == "gptq_interleaved" else (32, 64, 128, 256)
+        for (lead, n, g, zeros, bias), k in zip([
+            ((1,), 8, 32, True, False),
+            ((3,), 24, -1, True, True),
+            ((17,), 136, 64, False, False),
+            ((2, 3), 16, 128, True, False),
+        ], ks):
             name = f"{fmt}_m{_lead_name(lead)}_n{n}_k{k}_g{g}{'' if zeros else '_sym'}{'_bias' if bias else ''}"
             make = _w4a16_inputs(lead, n, k, g, fmt, zeros, bias)
             cases.append(_case("gemm.w4a16", name, make, _HALF_DTYPES, _QUICK, _flops_w4a16))

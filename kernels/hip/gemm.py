@@ -40,7 +40,13 @@ def w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gp
     return w4a16_op(x, qweight, scales, qzeros, bias, int(group_size), format == "awq")
 
 
+def check(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gptq"):
+    if format not in ("gptq", "awq"):
+        return f"format {format!r}: the HIP kernel unpacks GPTQ and AWQ words only"
+    return None
+
+
 def register(registry) -> None:
     registry.add_impl(hip_implementation(
         "gemm.w4a16", w4a16, w4a16_op,
-        "HIP/CUDA int4 dequantize (GPTQ and AWQ packing) into fp16/bf16 weights + torch.matmul"))
+        "HIP/CUDA int4 dequantize (GPTQ and AWQ packing) into fp16/bf16 weights + torch.matmul", check=check))
