@@ -196,7 +196,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
                    else tma_layout_problem(a, b, y))
         if problem:
             raise ValueError(f"matmul(tma=True): the TMA kernel cannot serve this call: {problem}")
-        cfg = tma_plan(m, n, k, a.device, a.element_size(), force=True)
+        forced = tma_plan(m, n, k, a.device, a.element_size(), force=True)
+        assert forced is not None  # force=True always gives a plan
+        cfg = forced
     else:
         cfg = plan(m, n, k, a.dtype, a.device, split_k, tma=tma is None and not accumulate)
     if cfg.get("TMA"):
