@@ -161,11 +161,17 @@ def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None =
         if max_m is None or m <= max_m:
             break
     own: dict = KIND_TILES.get(generation, {}).get(kind, {}) if kind is not None else {}
-    cfg = dict(own.get(max_m, row))
+    cfg = _with_block_k(own.get(max_m, row), a_bytes)
+    return fit_shared(cfg, generation, a_bytes, a_bytes if b_bytes is None else b_bytes)
+
+
+def _with_block_k(row: dict, a_bytes: float) -> dict:
+    """A copy of a table row with its K step in elements: BLOCK_K from K_BYTES unless it names BLOCK_K."""
+    cfg = dict(row)
     k_bytes = cfg.pop("K_BYTES", None)
     if k_bytes is not None:
         cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
-    return fit_shared(cfg, generation, a_bytes, a_bytes if b_bytes is None else b_bytes)
+    return cfg
 
 
 def split_k(m: int, n: int, k: int, cfg: dict, sms: int, max_split: int = MAX_SPLIT_K) -> tuple[int, int]:
@@ -226,10 +232,7 @@ def tma_plan(m: int, n: int, k: int, device, a_bytes: int, *, generation: str | 
     row = TMA_TILES.get(generation)
     if not force and (row is None or m < TMA_MIN_M or a_bytes != 2):
         return None
-    cfg = dict(row if row is not None else TILES[generation][-1][1])
-    k_bytes = cfg.pop("K_BYTES", None)
-    if k_bytes is not None:
-        cfg["BLOCK_K"] = max(_MIN_BLOCK_K, int(k_bytes // a_bytes))
+    cfg = _with_block_k(row if row is not None else TILES[generation][-1][1], a_bytes)
     cfg = fit_shared(cfg, generation, a_bytes, a_bytes, epilogue_bytes=cfg["BLOCK_M"] * cfg["BLOCK_N"] * a_bytes)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if not force and tiles < sms:

@@ -28,6 +28,7 @@ import triton.language as tl
 from graft.custom_ops import define_op
 from graft.kernels.triton._aot import GENERATION, TARGETS, variant
 from graft.kernels.triton._common import on_device, triton_implementation
+from graft.kernels.triton import _gemm_common
 from graft.kernels.triton._dot import dot_acc, dot_flags
 from graft.kernels.triton._gemm_common import (
     SM_COUNT,
@@ -122,6 +123,9 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[i
     """Launch plan (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k`` forces a split count;
     ``tma``: the persistent TMA kernel's plan (``TMA: True``) where it serves this shape."""
     size = dtype.itemsize
+    # the device's generation and SM count once, for both plans (a per-call path)
+    what_if["generation"] = what_if.get("generation") or _gemm_common.generation_of(device)
+    what_if["sms"] = what_if["sms"] if what_if.get("sms") is not None else _gemm_common.sm_count(device)
     # the measured rows of kind "linear" are for 16-bit operands (the sweep's bf16)
     cfg = gemm_plan(m, n, k, device, size, split_k=split_k, kind="linear" if size == 2 else None, **what_if)
     if tma and split_k is None and cfg["SPLIT_K"] == 1:
