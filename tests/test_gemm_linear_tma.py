@@ -150,3 +150,13 @@ def test_aot_variants_compile_the_tma_plans():
     pointer_rows = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"]) for v in L.AOT_VARIANTS
                     if v.kernel is L._linear_kernel and "sm_90" in v.targets}
     assert (256, 128) in pointer_rows  # the pointer kernel's prefill row stays checked (layouts TMA cannot take)
+
+
+def test_tma_kernel_propagates_nan_and_inf_as_the_pointer_kernel(device, three_sms):
+    """Hostile values: NaN and inf in x and the bias come out where the pointer kernel (and the
+    reference) put them; the zero fill past K adds nothing to them."""
+    x, w, b = _operands(40, 24, 45, torch.float16, device, k_storage=48)
+    x[3, 7], x[11, 0], b[5] = float("nan"), float("inf"), float("-inf")
+    y = L.matmul(x, w.t(), b, "silu", tma=True)
+    torch.testing.assert_close(y, L.matmul(x, w.t(), b, "silu", tma=False), atol=0, rtol=0, equal_nan=True)
+    assert y[3].isnan().all() and y[:, 5].isneginf().sum() + y[:, 5].isnan().sum() == 40
