@@ -184,6 +184,80 @@ def _prefill_kernel(
         tl.store(Lse + head * stride_lh + q_start + rows, lse, mask=row_ok)
 
 
+@triton.jit
+def _computed_rows(CuSeqlens, seqs, batch, total, span):
+    """Rows [start, end) the forward's grid writes for each sequence of the vector ``seqs``:
+    seq_bounds' clamped rows, cut to the ``span`` rows its tiles reach (an understated
+    max_seqlen sizes a grid too short). Entries past ``batch`` are empty."""
+    ok = seqs < batch
+    start = tl.load(CuSeqlens + seqs, mask=ok, other=0).to(tl.int64)
+    end = tl.load(CuSeqlens + seqs + 1, mask=ok, other=0).to(tl.int64)
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.minimum(tl.maximum(end, start), total), start + span)
+    return start, end
+
+
+@triton.jit
+def _zero_unwritten_kernel(
+    Out, CuSeqlens, batch, total, span,
+    stride_ot, stride_oh, stride_od,
+    head_dim,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """One program per head: zero the rows of ``Out`` that no program of the forward writes.
+
+    Valid cu_seqlens (from 0 to ``total``, non-decreasing, no sequence longer than ``span``)
+    leave none: one pass over cu_seqlens finds that and the program ends. Values the checks
+    would refuse (value checks off) can: rows before the first offset, after the last, or
+    past an understated max_seqlen; they get the zeros the reference defines."""
+    stride_ot, stride_oh, stride_od = _i64(stride_ot), _i64(stride_oh), _i64(stride_od)
+    head = tl.program_id(0)
+    first_start, first_end = _computed_rows(CuSeqlens, tl.arange(0, 1), batch, total, span)
+    gaps = tl.sum((first_start != 0).to(tl.int32))
+    for i in range(0, batch, BLOCK_B):
+        seqs = i + tl.arange(0, BLOCK_B)
+        starts, ends = _computed_rows(CuSeqlens, seqs, batch, total, span)
+        following, following_ends = _computed_rows(CuSeqlens, seqs + 1, batch, total, span)
+        following = tl.where(seqs + 1 < batch, following, total)
+        gaps += tl.sum(((seqs < batch) & (ends != following)).to(tl.int32))
+    if gaps > 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        zeros = tl.zeros([ROWS, BLOCK_D], dtype=Out.dtype.element_ty)
+        for row0 in range(0, total, ROWS):
+            rows = row0 + tl.arange(0, ROWS).to(tl.int64)
+            hits = tl.zeros([ROWS], dtype=tl.int32)
+            for i in range(0, batch, BLOCK_B):
+                starts, ends = _computed_rows(CuSeqlens, i + tl.arange(0, BLOCK_B), batch, total, span)
+                inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])
+                hits += tl.sum(inside.to(tl.int32), 1)
+            unwritten = (hits == 0) & (rows < total)
+            ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od
+            tl.store(ptrs, zeros, mask=unwritten[:, None] & (offs_d < head_dim)[None, :])
+
+
+# The zeroing pass: its rows per step and cu_seqlens entries per step.
+ZERO_TILE = {"ROWS": 32, "BLOCK_B": 64, "num_warps": 4}
+
+
+def zero_unwritten_rows(out: torch.Tensor, cu_seqlens_q: torch.Tensor, span: int) -> None:
+    """Zero the rows of ``out`` ([total_q, heads, head_dim], allocated empty) that the forward
+    over ``cu_seqlens_q`` with a grid of ``span`` rows per sequence does not write.
+
+    This replaces a memset of the whole output by one launch that reads cu_seqlens (the same
+    launch count as torch.zeros, without writing the output twice); kept out of the forward
+    kernel, whose register allocation it would change (under Triton 3.9 it pushed the gfx942
+    bf16 tile over 256 VGPRs)."""
+    total_q, num_heads, head_dim = out.shape
+    with on_device(out):
+        _zero_unwritten_kernel[(num_heads,)](
+            out, cu_seqlens_q, cu_seqlens_q.shape[0] - 1, total_q, span, *out.stride(), head_dim,
+            BLOCK_D=head_dim_block(head_dim), ROWS=ZERO_TILE["ROWS"], BLOCK_B=ZERO_TILE["BLOCK_B"],
+            num_warps=ZERO_TILE["num_warps"],
+        )
+
+
 def _tiles(device: torch.device, block_d: int, dtype: torch.dtype) -> dict:
     cfg = tile_config(TILES, device)
     return _fit_gpu_tiles(cfg, block_d, dtype) if device.type == "cuda" else cfg
@@ -217,8 +291,9 @@ def _prefill(
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_scale, lse):
     """Launch the forward; ``lse`` ([heads, total_q] fp32) is filled when given."""
     total_q, num_heads, head_dim = q.shape
-    # Zeros: rows no sequence covers (cu_seqlens that skip rows) are defined, as in the reference.
-    out = torch.zeros((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    # Empty, not zeros: zero_unwritten_rows zeroes the rows the kernel does not write (none
+    # for valid cu_seqlens) instead of a memset of the whole output before the kernel writes it.
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         if lse is not None:
@@ -229,6 +304,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, softmax_
     # No sequence is longer than the packed rows (cu_seqlens are clamped to them): an
     # overstated max_seqlen_q must not size an enormous grid.
     grid = (num_heads, batch, triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]))
+    zero_unwritten_rows(out, cu_seqlens_q, grid[2] * cfg["BLOCK_M"])
     with on_device(q):
         _prefill_kernel[grid](
             q, k, v, out, lse if lse is not None else out, cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0],
@@ -313,6 +389,15 @@ def _aot_variants():
                           values=dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1), **ints)
 
 
-AOT_VARIANTS = list(_aot_variants())
+def _zero_aot_variants():
+    """The zeroing pass per target: 16-bit and fp32 outputs, head dims 128 and 256."""
+    blocks, options = split_tiles(ZERO_TILE)
+    for target in sorted({target for target, _ in per_target(TILES)}):
+        for name, block_d in (("bf16", 128), ("fp32", 256)):
+            yield variant(_zero_unwritten_kernel, dict(BLOCK_D=block_d, **blocks), pointer=f"*{name}", options=options,
+                          targets=(target,), values=dict(stride_od=1), CuSeqlens="*i32")
+
+
+AOT_VARIANTS = list(_aot_variants()) + list(_zero_aot_variants())
 
 from graft.kernels.triton import attention_prefill_backward  # noqa: E402,F401  registers the backward

@@ -28,7 +28,7 @@ from graft.kernels.triton._attention_common import (
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_f32, dot_flags
-from graft.kernels.triton.attention_prefill import TILES, _fit_gpu_tiles, _i64, _tiles
+from graft.kernels.triton.attention_prefill import TILES, _fit_gpu_tiles, _i64, _tiles, zero_unwritten_rows
 
 OP = "attention.prefill_paged"
 
@@ -171,15 +171,16 @@ def _prefill_paged(
 ) -> torch.Tensor:
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    # Zeros: rows no sequence covers (cu_seqlens that skip rows) are defined, as in the reference.
-    out = torch.zeros((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    # Empty: zero_unwritten_rows zeroes the rows the kernel does not write (as attention.prefill).
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
-        return out
+        return out.zero_()
     block_d = head_dim_block(head_dim)
     cfg = _tiles(q.device, block_d, q.dtype)
     # An overstated max_seqlen_q must not size an enormous grid: no sequence has more rows than q.
     grid = (triton.cdiv(min(max_seqlen_q, total_q), cfg["BLOCK_M"]), batch, num_heads)
+    zero_unwritten_rows(out, cu_seqlens_q, grid[0] * cfg["BLOCK_M"])
     with on_device(q):
         _prefill_paged_kernel[grid](
             q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out, total_q,
