@@ -90,11 +90,6 @@ def _w4a16_kernel(
     nibble = tl.arange(0, 8)
     # AWQ puts column j of a pack of 8 in nibble (j // 2) + 4 * (j % 2); GPTQ in nibble j.
     awq_shift = ((nibble // 2) + 4 * (nibble % 2)) * 4
-    lane = cols % 8
-    if AWQ:
-        zero_shift = ((lane // 2) + 4 * (lane % 2)) * 4
-    else:
-        zero_shift = lane * 4
     x_ptrs, x_step = a_tile_ptrs(x_ptr, rows, k_start, stride_xm, stride_xk, BLOCK_K)
     if AWQ:  # qweight [K, N/8]: BLOCK_K rows of BLOCK_N/8 words
         tile_n = tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)[1]  # (split_tile's own: computed once)
@@ -122,18 +117,12 @@ def _w4a16_kernel(
         else:
             words = tl.load(q_ptrs, mask=(wks < (K - k0) // 8)[:, None] & col_ok[None, :], other=0)
             q = tl.reshape((words[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        group = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: the whole step is one group
-        # A step past K (last split) reads no scale: its tile is exactly 0. (k0 broadcast to a
-        # vector first: the interpreter rejects a scalar-vector mask.)
+        # BLOCK_K divides GROUP_SIZE: the whole step is one group. A step past K (last split)
+        # reads no scale: its tile is exactly 0. (k0 broadcast to a vector first: the
+        # interpreter rejects a scalar-vector mask.)
         live = col_ok & ((cols * 0 + k0) < K)
-        scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=live, other=0.0)
-        if HAS_ZEROS:
-            zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=live, other=0)
-            zero = (zp >> zero_shift) & 0xF
-            if not AWQ:
-                zero += 1  # GPTQ (AutoGPTQ v1) stores zero - 1
-        else:
-            zero = tl.full((BLOCK_N,), 8, dtype=tl.int32)
+        zero, scale = _group_zero_scale(s_ptr, qz_ptr, k0 // GROUP_SIZE, cols, live, stride_sg, stride_sn, stride_zg,
+                                        stride_zn, AWQ, HAS_ZEROS)
         # Scales and zeros folded into the tile: the MMA sees the dequantized weight. The codes
         # become floats by a bit trick, not an int-to-float conversion per element (see
         # _codes_as); (m + q) - (m + zero) is q - zero exactly, so the tile is as before.
@@ -145,13 +134,23 @@ def _w4a16_kernel(
 
 
 @triton.jit
-def _gptq_group(s_ptr, qz_ptr, group, cols, live, stride_sg, stride_sn, stride_zg, stride_zn, HAS_ZEROS: tl.constexpr):
-    """One group's scales and zero-point codes of columns ``cols`` (qzeros in GPTQ's plain
-    nibble order, zero stored minus one; without zeros the symmetric 8)."""
+def _group_zero_scale(s_ptr, qz_ptr, group, cols, live, stride_sg, stride_sn, stride_zg, stride_zn,
+                      AWQ: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """One group's zero-point codes and scales of columns ``cols``: qzeros pack 8 columns a
+    word, AWQ's column j in nibble (j // 2) + 4 * (j % 2), GPTQ's (AutoGPTQ v1) in nibble j with
+    the zero stored minus one; without zeros the symmetric 8. Columns not ``live`` read nothing
+    (scale 0: a step past K adds exactly 0)."""
     scale = tl.load(s_ptr + group * stride_sg + cols * stride_sn, mask=live, other=0.0)
     if HAS_ZEROS:
+        lane = cols % 8
+        if AWQ:
+            shift = ((lane // 2) + 4 * (lane % 2)) * 4
+        else:
+            shift = lane * 4
         zp = tl.load(qz_ptr + group * stride_zg + (cols // 8) * stride_zn, mask=live, other=0)
-        zero = ((zp >> ((cols % 8) * 4)) & 0xF) + 1
+        zero = (zp >> shift) & 0xF
+        if not AWQ:
+            zero += 1
     else:
         zero = tl.full(cols.shape, 8, dtype=tl.int32)
     return zero, scale
@@ -185,8 +184,8 @@ def _interleaved_steps(
             + cols.to(tl.int64)[None, :] * stride_qn
         words = tl.load(q_ptrs, mask=live[None, :], other=0)
         first = (k0 % 128) // 16  # the step's first 16-row slice within its block
-        zero, scale = _gptq_group(s_ptr, qz_ptr, k0 // GROUP_SIZE, cols, live, stride_sg, stride_sn, stride_zg,
-                                  stride_zn, HAS_ZEROS)
+        zero, scale = _group_zero_scale(s_ptr, qz_ptr, k0 // GROUP_SIZE, cols, live, stride_sg, stride_sn,
+                                        stride_zg, stride_zn, False, HAS_ZEROS)
         for j in tl.static_range(BLOCK_K // 16):
             a = tl.load(x_ptrs + (j * 16) * stride_xk, mask=row_ok[:, None] & (r16 < K - k0 - 16 * j)[None, :],
                         other=0.0)
