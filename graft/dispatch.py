@@ -99,7 +99,8 @@ class _Plan:
     """What serves one (op, device, dtype): statically usable impls in order, and the
     argument signatures that already passed the op's validation."""
 
-    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep", "values", "tune")
+    __slots__ = ("impls", "error", "first", "source", "requested", "strict", "missing", "keep", "values", "tune",
+                 "decided")
 
     def __init__(self, impls, error, source, requested, strict, missing, keep, values=False):
         self.impls = impls  # tuple of Implementation, ending at the first one without a check
@@ -118,6 +119,20 @@ class _Plan:
         self.values = values
         # graft.tuning.PlanTuner: the plan of each tuned shape bucket (None: no table entry).
         self.tune = None
+        # impl key -> this plan narrowed to that impl, for signatures whose per-call checks
+        # were decided once (_decided).
+        self.decided: dict = {}
+
+    def narrowed(self, impl) -> "_Plan":
+        """This plan served by ``impl`` alone, unconditionally (its check already passed for
+        the signature it is remembered with): the C entry can then take the signature."""
+        plan = self.decided.get(impl.key)
+        if plan is None:
+            plan = _Plan((impl,), None, self.source, self.requested, self.strict, self.missing, self.keep,
+                         self.values)
+            plan.first = impl
+            self.decided[impl.key] = plan
+        return plan
 
 
 class _Op:
@@ -303,6 +318,27 @@ def _choose(op: str, plan: _Plan, args, kwargs) -> Implementation:
                                 + "\n".join(f"  - {i.backend} ({i.provider}): declined this call" for i in plan.impls))
 
 
+def _decided(state: "_Op", plan: _Plan, args, kwargs) -> _Plan:
+    """``plan`` with its per-call checks answered once for this argument signature, when every
+    check it consults reads only what the remembered signature fixes (Implementation.
+    check_scalars, none of them a scalar checked on every call); else ``plan`` itself, whose
+    checks then run on every call. Strict plans verify every output and stay as they are."""
+    if plan.error is not None or plan.strict:
+        return plan
+    recogniser = state._recogniser(plan)
+    varying = recogniser.varying_names if recogniser is not None else ()
+    for impl in plan.impls:
+        if impl.check is None:
+            return plan.narrowed(impl)
+        if impl.check_scalars is None or any(name in varying for name in impl.check_scalars):
+            return plan
+        reason = impl.call_reason(args, kwargs)
+        if reason is None:
+            return plan.narrowed(impl)
+        _passed_over(state.name, plan, impl, reason)
+    return plan  # every candidate declined: _choose explains
+
+
 def _passed_over(op: str, plan: _Plan, impl: Implementation, reason: str) -> None:
     explicit = impl.backend in plan.requested
     if explicit and plan.strict:
@@ -393,6 +429,8 @@ def _make_entry(with_impl: bool):
             if plan.tune is not None and not _is_compiling():  # a tuning table's choice for this shape
                 plan = plan.tune.plan(op, args, kwargs)
             if plan.keep and not _is_compiling():
+                if plan.first is None:
+                    plan = _decided(state, plan, args, kwargs)
                 state.remember(args, kwargs, plan)
         impl = plan.first
         if impl is not None:

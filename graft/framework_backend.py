@@ -56,10 +56,11 @@ def enabled(framework: str) -> bool:
 
 def implementation(framework: str, op: str, fn: Callable, description: str = "",
                    devices=frozenset({"cpu", "cuda"}), dtypes=None, check=None,
-                   available: Callable[[], "str | None"] | None = None) -> Implementation:
+                   available: Callable[[], "str | None"] | None = None, check_scalars=None) -> Implementation:
     """An implementation of ``op`` by ``framework``'s own code ``fn`` (called with the op's
     arguments, returning the op's result: adapt the framework's calling convention in ``fn``).
-    ``available`` adds an environment check of its own (a compiled extension present...)."""
+    ``available`` adds an environment check of its own (a compiled extension present...);
+    ``check``/``check_scalars`` as in :class:`graft.registry.Implementation`."""
 
     def usable() -> str | None:
         if framework not in _enabled:
@@ -69,7 +70,7 @@ def implementation(framework: str, op: str, fn: Callable, description: str = "",
 
     return Implementation(op=op, backend=framework, fn=fn, description=description or f"{framework}'s own code",
                           devices=frozenset(devices), dtypes=None if dtypes is None else frozenset(dtypes),
-                          available=usable, check=check, framework=framework)
+                          available=usable, check=check, check_scalars=check_scalars, framework=framework)
 
 
 def is_framework(impl: Implementation) -> bool:

@@ -102,6 +102,12 @@ class Implementation:
     archs: tuple | None = None  # arch prefixes ("sm_9", "gfx94"); None: any (CPU included)
     available: Callable[[], "str | None"] | None = None  # environment check, e.g. toolchain present
     check: Check | None = None  # per-call check on the op's actual arguments
+    # Declares that ``check`` reads only the arguments' metadata (shapes, strides, dtypes,
+    # devices, which are None) and the scalar arguments named here: a remembered argument
+    # signature then keeps the check's answer, decided on its first call instead of every
+    # call (unless a named scalar is one the op checks on every call: OpSpec.validate_varying
+    # or check_values). None: the check may read values and runs on every call.
+    check_scalars: tuple | None = None
     custom_op: object = None  # the torch.ops handle when exposed as a torch.library op
     priority: int = 0  # tie-break between impls of the same backend: higher first
     # The framework whose own code this is ("vllm": vLLM's kernel for the op), registered

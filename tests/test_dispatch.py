@@ -500,3 +500,79 @@ print(info._dispatch_entry())
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
     assert "GRAFT_DISPATCH_C='maybe' is not a boolean" in proc.stderr
+
+
+@pytest.mark.parametrize("varying", [False, True], ids=["fixed_scalar", "varying_scalar"])
+def test_a_signature_only_check_is_decided_once_per_signature(fresh_graft, monkeypatch, varying):
+    """An implementation whose check reads only what the remembered signature fixes
+    (Implementation.check_scalars) is checked on a signature's first call, and the C entry
+    serves the signature from then on; a declined signature remembers the next candidate.
+    A check that reads a scalar the op checks on every call (validate_varying) still runs
+    on every call."""
+    import dataclasses
+
+    from graft.plugins import get_host
+    from graft.registry import Implementation
+
+    from _toy_ops import TOY_OP, ToyAdapter, hookimpl
+
+    checked = []
+
+    def validate(x, factor):  # remembered signatures need a validator
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("x")
+
+    def check(x, factor):
+        checked.append(tuple(x.shape))
+        return None if x.numel() % 2 == 0 else f"odd numel {x.numel()}"
+
+    class Checked:
+        @hookimpl
+        def graft_register_ops(self, registry):
+            registry.add_op(dataclasses.replace(
+                TOY_OP, validate=validate, validate_cache="always",
+                validate_varying=(lambda factor: None) if varying else None))
+
+        @hookimpl
+        def graft_register_kernels(self, registry):
+            registry.add_impl(Implementation(op=OP, backend="checked", fn=lambda x, factor: x * factor + 1,
+                                             check=check, check_scalars=("factor",)))
+            registry.add_impl(Implementation(op=OP, backend="plain", fn=lambda x, factor: x * factor + 2))
+
+    host = get_host()
+    host.register(ToyAdapter(define_op=False), "toy")
+    host.register(Checked(), "checked")
+    monkeypatch.setenv("GRAFT_FUSED", "checked,plain")
+    graft.reload_config()
+    even, odd = torch.ones(4), torch.ones(3)
+    for _ in range(3):
+        assert dispatch.call(OP, even, 2.0).tolist() == [3.0] * 4
+        assert dispatch.call(OP, odd, 2.0).tolist() == [4.0] * 3
+    if varying:
+        assert checked == [(4,), (3,)] * 3  # every call
+        assert not dispatch._fast_hits.get(OP)
+    else:
+        assert checked == [(4,), (3,)]  # once per signature
+        assert len(dispatch._fast_hits[OP]) == 2  # both served by the C entry
+        assert dispatch.run(OP, even, 2.0)[1].backend == "checked"
+        assert dispatch.run(OP, odd, 2.0)[1].backend == "plain"
+        assert dispatch.call(OP, torch.ones(6), 2.0).tolist() == [3.0] * 6  # a new signature: checked
+        assert checked[-1] == (6,)
+
+
+def test_the_kernels_checks_declare_what_they_read():
+    """Every registered implementation with a per-call check says whether its answer follows
+    from the argument signature (check_scalars), and names only parameters the check takes."""
+    import inspect
+
+    from graft.plugins import get_host
+
+    registry = get_host().registry
+    for impls in registry.impls.values():
+        for impl in impls:
+            if impl.check is None or impl.check_scalars is None:
+                continue
+            params = inspect.signature(impl.check).parameters
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            for name in impl.check_scalars:
+                assert takes_any or name in params, f"{impl.key}: check_scalars names {name!r}, not a parameter"

@@ -56,11 +56,12 @@ def implementations() -> list:
 
     return [
         implementation(FRAMEWORK, "fused.rms_norm", rms_norm, "Megatron's local RMSNorm (torch.nn.RMSNorm)",
-                       check=_no_residual, available=_megatron_present),
+                       check=_no_residual, check_scalars=(), available=_megatron_present),
         implementation(FRAMEWORK, "fused.layer_norm", layer_norm, "Megatron's local LayerNorm (torch.nn.LayerNorm)",
                        available=_megatron_present),
         implementation(FRAMEWORK, "gemm.linear", linear, "Megatron's local linear at TP1 (torch matmul)",
-                       check=_no_activation, available=_megatron_present),
+                       check=_no_activation, check_scalars=("activation",),
+                       available=_megatron_present),
     ]
 
 

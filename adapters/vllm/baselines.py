@@ -112,6 +112,7 @@ def implementations() -> list:
         # own code as the winner (graft is not known faster) instead of racing a stand-in.
         implementation(FRAMEWORK, "gemm.linear", linear,
                        "vLLM's default unquantized GEMM (torch.nn.functional.linear)", check=_linear_check,
+                       check_scalars=("activation",),
                        devices=("cuda",)),
     ]
 

@@ -65,4 +65,4 @@ def register(registry) -> None:
         "attention.decode_paged", decode_paged, decode_paged_op,
         "CPU C++ paged-KV decode: task per (seq, kv head) on torch's threads, pages read in place, fp8 by "
         "table lookup",
-        check=check_decode))
+        check=check_decode, check_scalars=()))

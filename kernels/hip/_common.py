@@ -10,7 +10,8 @@ BACKEND = "hip"  # one backend name for both vendors: the same source, hipified 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
-def hip_implementation(op: str, fn, custom_op, description: str, check=None, dtypes=FLOAT_DTYPES) -> Implementation:
+def hip_implementation(op: str, fn, custom_op, description: str, check=None, dtypes=FLOAT_DTYPES,
+                       check_scalars=None) -> Implementation:
     """A hip Implementation: GPU only, available when the extension can be built here.
 
     ``custom_op`` is the torch.library op whose real impl triggers the lazy build.
@@ -24,5 +25,6 @@ def hip_implementation(op: str, fn, custom_op, description: str, check=None, dty
         dtypes=dtypes,
         available=unavailable_reason,
         check=check,
+        check_scalars=check_scalars,
         custom_op=custom_op,
     )

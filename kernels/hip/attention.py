@@ -48,4 +48,4 @@ def register(registry) -> None:
     registry.add_impl(hip_implementation(
         "attention.decode_paged", decode_paged, decode_paged_op,
         "HIP/CUDA paged-KV decode: block per (seq, head), warp-shuffle dot products, online softmax",
-        check=check_decode))
+        check=check_decode, check_scalars=("k_scale", "v_scale")))

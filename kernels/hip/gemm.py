@@ -49,4 +49,5 @@ def check(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gp
 def register(registry) -> None:
     registry.add_impl(hip_implementation(
         "gemm.w4a16", w4a16, w4a16_op,
-        "HIP/CUDA int4 dequantize (GPTQ and AWQ packing) into fp16/bf16 weights + torch.matmul", check=check))
+        "HIP/CUDA int4 dequantize (GPTQ and AWQ packing) into fp16/bf16 weights + torch.matmul", check=check,
+        check_scalars=("format",)))

@@ -39,4 +39,4 @@ def register(registry) -> None:
     registry.add_impl(hip_implementation(
         "moe.topk_routing", topk_routing, topk_routing_op,
         "HIP/CUDA top-k routing: block per token, fp32 softmax/sigmoid, block arg-max per pick",
-        check=check_topk))
+        check=check_topk, check_scalars=()))

@@ -40,12 +40,13 @@ def on_device(where: "torch.Tensor | torch.device"):
 
 
 def triton_implementation(
-    op: str, fn, *, custom_op, description: str, dtypes, check=None, priority: int = 0
+    op: str, fn, *, custom_op, description: str, dtypes, check=None, check_scalars=None, priority: int = 0
 ) -> Implementation:
     """A triton Implementation: on the devices Triton can run on here (see
     :func:`triton_devices`), available when :func:`triton_unavailable` finds nothing missing.
 
-    ``custom_op`` is the torch.library op ``fn`` calls; ``check`` a per-call reason to fall back.
+    ``custom_op`` is the torch.library op ``fn`` calls; ``check`` a per-call reason to fall back
+    (``check_scalars``: see :class:`graft.registry.Implementation`).
     """
     return Implementation(
         op=op,
@@ -56,6 +57,7 @@ def triton_implementation(
         dtypes=frozenset(dtypes),
         available=triton_unavailable,
         check=check,
+        check_scalars=check_scalars,
         custom_op=custom_op,
         priority=priority,
     )

@@ -344,7 +344,7 @@ def fp8_kv_reason(dtype) -> Optional[str]:
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, decode_paged, custom_op=decode_op, check=check,
+        OP, decode_paged, custom_op=decode_op, check=check, check_scalars=(),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton paged-KV decode attention (GQA, split-K flash-decoding, fp8 KV cache)",
     ))

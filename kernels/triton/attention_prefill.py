@@ -369,7 +369,7 @@ def check(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=0, *args, **kwa
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, prefill, custom_op=prefill_op, check=check,
+        OP, prefill, custom_op=prefill_op, check=check, check_scalars=("max_seqlen_q",),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton flash-attention forward (varlen, causal bottom-right, GQA)",
     ))

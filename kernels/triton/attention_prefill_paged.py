@@ -235,7 +235,7 @@ def check(q, key_cache, value_cache, block_tables, cu_seqlens_q, *args, **kwargs
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, prefill_paged, custom_op=prefill_paged_op, check=check,
+        OP, prefill_paged, custom_op=prefill_paged_op, check=check, check_scalars=(),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton prefill attention over a paged KV cache (block table read in the kernel, causal "
                     "bottom-right, GQA; forward only)",

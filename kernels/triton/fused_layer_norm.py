@@ -159,7 +159,7 @@ def check(x, weight, bias=None, eps=1e-5):
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        "fused.layer_norm", layer_norm, custom_op=layer_norm_op, check=check,
+        "fused.layer_norm", layer_norm, custom_op=layer_norm_op, check=check, check_scalars=(),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton LayerNorm (row in registers, fp32 statistics; backward with row-block weight partials)",
     ))

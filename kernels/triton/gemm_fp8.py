@@ -168,7 +168,7 @@ def check(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        "gemm.fp8", fp8, custom_op=fp8_op, dtypes=FP8_DTYPES, check=check,
+        "gemm.fp8", fp8, custom_op=fp8_op, dtypes=FP8_DTYPES, check=check, check_scalars=(),
         description="Triton fp8 e4m3 GEMM, fp32 accumulation, per-tensor/row or 128x128 block scales, split-K",
     ))
 

@@ -280,7 +280,7 @@ def check(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gp
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        "gemm.w4a16", w4a16, custom_op=w4a16_op, check=check,
+        "gemm.w4a16", w4a16, custom_op=w4a16_op, check=check, check_scalars=("group_size",),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="Triton GEMM with GPTQ/AWQ int4 dequantized in the kernel, group-wise scales and zeros",
     ))

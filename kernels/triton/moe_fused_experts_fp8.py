@@ -255,7 +255,7 @@ def check(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, acti
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES, check=check,
+        OP, _call, custom_op=fused_experts_fp8_triton, dtypes=DTYPES, check=check, check_scalars=(),
         description="fp8 block-scaled grouped expert GEMMs (DeepSeek-V3 style), grouped tile order, ordered combine",
     ))
 

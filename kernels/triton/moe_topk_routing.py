@@ -127,7 +127,7 @@ def _call(router_logits, top_k, renormalize=True, scoring="softmax"):
 
 def register(registry) -> None:
     registry.add_impl(triton_implementation(
-        OP, _call, custom_op=topk_routing_triton, check=_check,
+        OP, _call, custom_op=topk_routing_triton, check=_check, check_scalars=(),
         dtypes={torch.float16, torch.bfloat16, torch.float32},
         description="one-tile fp32 softmax/sigmoid + iterative top-k",
     ))
