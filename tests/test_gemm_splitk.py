@@ -204,3 +204,30 @@ def test_matmul_accumulates_into_an_fp32_out(splits, device):
     torch.testing.assert_close(dw, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="adds to `out`"):
         matmul(dy.t(), x, accumulate=True)
+
+
+def test_even_k_plans_say_when_every_step_lies_inside_k():
+    """EVEN_K (loads masked by M and N only) exactly when K is whole steps and the splits
+    cover it exactly; the Llama plans are all EVEN_K."""
+    c = _common()
+    for m in (1, 16, 4096):
+        for n, k in LLAMA_NK:
+            cfg = c.gemm_plan(m, n, k, "cuda", 2, generation="hopper", sms=132)
+            assert cfg["EVEN_K"] == (k % cfg["BLOCK_K"] == 0 and cfg["SPLIT_K"] * cfg["K_PER_SPLIT"] == k)
+    assert not c.gemm_plan(16, 4096, 4100, "cuda", 2, generation="hopper", sms=132)["EVEN_K"]
+    # whole steps, but 3 splits of K=4096 at BLOCK_K 64 (64 steps: splits of 22, 22, 20): the last runs past K
+    cfg = c.gemm_plan(16, 4096, 4096, "cuda", 2, generation="hopper", sms=132, split_k=3)
+    assert cfg["SPLIT_K"] * cfg["K_PER_SPLIT"] > 4096 and not cfg["EVEN_K"]
+
+
+@pytest.mark.parametrize("k, split", [(64, 1), (96, 2), (96, 3), (70, 1), (70, 2)])
+def test_even_and_ragged_k_loops_match_the_reference(k, split):
+    """The same products through the EVEN_K loop (no K mask) and the masked one."""
+    from graft.kernels.triton import gemm_linear
+
+    gen = torch.Generator().manual_seed(k + split)
+    a, w = torch.randn(5, k, generator=gen), torch.randn(33, k, generator=gen)
+    cfg = gemm_linear.plan(5, 33, k, torch.float32, "cpu", split_k=split, tma=False)
+    got = gemm_linear.matmul(a, w.t(), split_k=split)
+    torch.testing.assert_close(got, a @ w.t(), **TOL[torch.float32])
+    assert cfg["EVEN_K"] == (k % cfg["BLOCK_K"] == 0 and cfg["SPLIT_K"] * cfg["K_PER_SPLIT"] == k)

@@ -217,6 +217,8 @@ def gemm_plan(m: int, n: int, k: int, device, a_bytes: float, b_bytes: float | N
         steps = triton.cdiv(k, cfg["BLOCK_K"])
         per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
         cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
+    # Every K step of every split lies inside K: the loop then masks loads by M and N only.
+    cfg["EVEN_K"] = k % cfg["BLOCK_K"] == 0 and cfg["SPLIT_K"] * cfg["K_PER_SPLIT"] == k
     return cfg
 
 
@@ -307,12 +309,17 @@ def b_tile_ptrs(w_ptr, cols, k_start, stride_n, stride_k, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
-def load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, ZERO: tl.constexpr):
+def load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, ZERO: tl.constexpr, EVEN_K: tl.constexpr = False):
     """One K step's A and B tiles; what lies past M, N or K loads as ZERO (0 for integer
     operands, 0.0 for float ones: the interpreter casts neither across) and adds nothing
-    (the last split's steps past K load nothing at all)."""
-    a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=ZERO)
-    b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=ZERO)
+    (the last split's steps past K load nothing at all). EVEN_K (the plan's: every step lies
+    inside K): no K mask, so the masks are the same every step (no per-step compare)."""
+    if EVEN_K:
+        a = tl.load(x_ptrs, mask=row_ok[:, None], other=ZERO)
+        b = tl.load(w_ptrs, mask=col_ok[None, :], other=ZERO)
+    else:
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=ZERO)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=ZERO)
     return a, b
 
 

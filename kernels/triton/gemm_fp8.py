@@ -57,6 +57,7 @@ def _fp8_kernel(
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr = False,  # the plan's: every K step of every split inside K (no K mask)
 ):  # fmt: skip
     k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
@@ -70,15 +71,19 @@ def _fp8_kernel(
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = k_start + kk
         k_ok = ks < K - k0
-        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0, EVEN_K)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if BLOCKWISE:
             group = k0 // 128
             # no scale read for a step past K (last split); k0 as a vector: see gemm_w4a16
-            xs = tl.load(xs_rows + group * stride_xs_g, mask=row_ok & ((rows * 0 + k0) < K), other=0.0)
-            ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok & ((cols * 0 + k0) < K), other=0.0)
+            if EVEN_K:
+                xs = tl.load(xs_rows + group * stride_xs_g, mask=row_ok, other=0.0)
+                ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok, other=0.0)
+            else:
+                xs = tl.load(xs_rows + group * stride_xs_g, mask=row_ok & ((rows * 0 + k0) < K), other=0.0)
+                ws = tl.load(ws_cols + group * stride_ws_g, mask=col_ok & ((cols * 0 + k0) < K), other=0.0)
             acc += tl.dot(a, b, out_dtype=tl.float32) * xs[:, None] * ws[None, :]
         else:
             # On Hopper the fp8 MMA accumulates over the whole K in the tensor core's ~14-bit
@@ -140,6 +145,7 @@ def _fp8(
             x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
             xs_m, xs_g, ws_n, ws_g, y.stride(0), y.stride(1),
             BLOCKWISE=blockwise, HAS_BIAS=bias is not None, SPLIT_K=splits, UPCAST=triton_interpret(),
+            EVEN_K=cfg["EVEN_K"],
             **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
         if splits > 1:
@@ -192,10 +198,10 @@ def _aot_variants():
             for m in (1, 32, 64, 128, 4096):
                 cfg = plan(m, 4096, 4096, "cuda", blockwise, generation=generation, sms=SM_COUNT[generation])
                 cfg["SPLIT_K"] = min(cfg["SPLIT_K"], 2)  # only switches the store path
-                plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)
+                plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)  # EVEN_K in
             for cfg in plans.values():
                 flags = dict(BLOCKWISE=blockwise, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
-                             **tile_constexprs(cfg))
+                             EVEN_K=cfg["EVEN_K"], **tile_constexprs(cfg))
                 yield variant(_fp8_kernel, flags, pointer="*bf16", options=launch_options(cfg), targets=(target,),
                               values=BLOCK_STRIDES if blockwise else ROW_STRIDES,
                               x_ptr=fp8_type[target], w_ptr=fp8_type[target], xs_ptr="*fp32", ws_ptr="*fp32")

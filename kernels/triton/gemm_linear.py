@@ -64,6 +64,7 @@ def _linear_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACCUMULATE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,  # the plan's: every K step of every split inside K (no K mask)
 ):  # fmt: skip
     """y = x[M, K] @ w[K, N] (w through its strides: weight [N, K] is read as w = weight.T);
     ACCUMULATE: y += (in y's dtype, fp32 for a gradient summed over chunks)."""
@@ -77,7 +78,7 @@ def _linear_kernel(
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k0 = k_start + kk
         k_ok = ks < K - k0
-        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0.0, EVEN_K)
         acc = dot_acc(a, b, acc, UPCAST, PRECISION)
         x_ptrs += step_x
         w_ptrs += step_w
@@ -228,7 +229,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None
             m, n, k, cfg["K_PER_SPLIT"],
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
             HAS_BIAS=bias is not None, ACTIVATION=activation, SPLIT_K=splits, ACCUMULATE=accumulate,
-            **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
+            EVEN_K=cfg["EVEN_K"], **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
         if splits > 1:
             splitk_reduce(target, bias, y, activation, accumulate)
@@ -275,7 +276,7 @@ def aot_plans(target: str, dtype: torch.dtype):
             for n, k in AOT_SHAPES:
                 cfg = plan(m, n, k, dtype, "cuda", tma=tma, generation=generation, sms=SM_COUNT[generation])
                 key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()),
-                       cfg.get("TMA", False))
+                       cfg.get("TMA", False), cfg.get("EVEN_K"))
                 seen.setdefault(key, cfg)
     return list(seen.values())
 
@@ -311,7 +312,7 @@ def _aot_variants():
                     for precision in precisions:
                         split = 2 if cfg["SPLIT_K"] > 1 else 1  # SPLIT_K only switches the store path
                         flags = dict(HAS_BIAS=True, ACTIVATION=act, SPLIT_K=split, UPCAST=False, PRECISION=precision,
-                                     **tile_constexprs(cfg))
+                                     EVEN_K=cfg["EVEN_K"], **tile_constexprs(cfg))
                         yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
                                       targets=(target,), values=UNIT_STRIDES)
             for cfg in tma_plans:  # after the pointer plans: the first variant is the quick one
@@ -326,7 +327,7 @@ def _aot_variants():
         cfg = plan(128256, 4096, 2048, torch.bfloat16, "cuda", tma=False, generation=GENERATION[target],
                    sms=SM_COUNT[GENERATION[target]])
         flags = dict(HAS_BIAS=False, ACTIVATION="none", SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, UPCAST=False,
-                     PRECISION="ieee", ACCUMULATE=True, **tile_constexprs(cfg))
+                     PRECISION="ieee", ACCUMULATE=True, EVEN_K=cfg["EVEN_K"], **tile_constexprs(cfg))
         yield variant(_linear_kernel, flags, pointer="*bf16", options=launch_options(cfg), targets=(target,),
                       values=dict(stride_xm=1, stride_wn=1, stride_yn=1), y_ptr="*fp32")
     yield from reduce_aot_variants()

@@ -45,6 +45,7 @@ def _w8a8_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr = False,  # the plan's: every K step of every split inside K (no K mask)
 ):  # fmt: skip
     k_start, rows, cols, row_ok, col_ok = split_tile(M, N, K_PER_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
@@ -55,7 +56,7 @@ def _w8a8_kernel(
     # values); the last split's steps past K load nothing (masked) and add zero.
     for kk in range(0, K_PER_SPLIT, BLOCK_K):
         k_ok = ks < K - (k_start + kk)
-        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0)
+        a, b = load_tiles(x_ptrs, w_ptrs, row_ok, col_ok, k_ok, 0, EVEN_K)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         x_ptrs += step_x
         w_ptrs += step_w
@@ -98,12 +99,7 @@ REDUCE_BLOCK_N = 1024
 def plan(m: int, n: int, k: int, device, split_k: Optional[int] = None, **what_if) -> dict:
     """Launch plan at 1-byte operands (tiles, stages, SPLIT_K, K_PER_SPLIT); ``split_k``
     forces a split count (tests)."""
-    cfg = gemm_plan(m, n, k, device, 1, **what_if)
-    if split_k is not None and split_k != cfg["SPLIT_K"]:
-        steps = triton.cdiv(k, cfg["BLOCK_K"])
-        per_split = triton.cdiv(steps, max(1, min(int(split_k), steps)))
-        cfg["SPLIT_K"], cfg["K_PER_SPLIT"] = triton.cdiv(steps, per_split) if k else 1, per_split * cfg["BLOCK_K"]
-    return cfg
+    return gemm_plan(m, n, k, device, 1, split_k=split_k, **what_if)
 
 
 def _scale_stride(scale: torch.Tensor) -> int:
@@ -138,7 +134,7 @@ def _w8a8(
             m, n, k, cfg["K_PER_SPLIT"],
             x_q.stride(0), x_q.stride(1), w_q.stride(0), w_q.stride(1),
             xs_stride, ws_stride, y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, SPLIT_K=splits,
+            HAS_BIAS=bias is not None, SPLIT_K=splits, EVEN_K=cfg["EVEN_K"],
             **tile_constexprs(cfg), **launch_options(cfg),
         )  # fmt: skip
         if splits > 1:
@@ -203,11 +199,13 @@ def _aot_variants():
         for m in (1, 16, 32, 64, 128, 4096):
             for n, k in ((4096, 4096), (28672, 4096), (8192, 1024)):
                 cfg = plan(m, n, k, "cuda", generation=generation, sms=SM_COUNT[generation])
-                key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()))
+                key = (tuple(tile_constexprs(cfg).items()), cfg["SPLIT_K"] > 1, tuple(launch_options(cfg).items()),
+                       cfg["EVEN_K"])
                 plans.setdefault(key, cfg)
         for cfg in plans.values():
             for out in ("bf16", "fp16"):
-                flags = dict(HAS_BIAS=True, SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, **tile_constexprs(cfg))
+                flags = dict(HAS_BIAS=True, SPLIT_K=2 if cfg["SPLIT_K"] > 1 else 1, EVEN_K=cfg["EVEN_K"],
+                             **tile_constexprs(cfg))
                 yield variant(_w8a8_kernel, flags, pointer=f"*{out}", options=launch_options(cfg),
                               targets=(target,), values=UNIT_STRIDES, **types)
     for out, split in (("bf16", 4), ("fp16", 16)):
