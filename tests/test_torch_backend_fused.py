@@ -6,7 +6,7 @@ import torch
 
 import graft
 from graft.ops.attention import prefill_reference, prefill_torch
-from graft.ops.fused import rms_norm_reference, rms_norm_torch
+from graft.ops.fused import layer_norm_reference, layer_norm_torch, rms_norm_reference, rms_norm_torch
 
 
 @pytest.fixture
@@ -74,9 +74,30 @@ def test_rms_norm_torch_matches_reference(dtype, residual):
     torch.testing.assert_close(wg.grad, wr.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_norm_torch_matches_reference(dtype, bias):
+    """Bit for bit in every dtype (fp32: torch's call itself; else the reference), gradients too."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 33, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(33, generator=gen)).to(dtype)
+    b = torch.randn(33, generator=gen).to(dtype) if bias else None
+    got, want = layer_norm_torch(x, w, b, 1e-5), layer_norm_reference(x, w, b, 1e-5)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    leaves = [t.float().requires_grad_() for t in (x, w)] + ([b.float().requires_grad_()] if bias else [])
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    cot = torch.randn(7, 33, generator=gen)
+    layer_norm_torch(*leaves[:2], leaves[2] if bias else None).backward(cot)
+    layer_norm_reference(*copies[:2], copies[2] if bias else None).backward(cot)
+    for a, r in zip(leaves, copies):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_backend_selects_the_fused_implementations(torch_backend):
     q = torch.randn(8, 4, 16)
     kv = torch.randn(8, 2, 16)
     cu = _cu([4, 4])
     assert graft.select("attention.prefill", q, kv, kv, cu, cu, 4, 4, True).fn is prefill_torch
     assert graft.select("fused.rms_norm", torch.randn(3, 8), torch.ones(8), 1e-6).fn is rms_norm_torch
+    assert graft.select("fused.layer_norm", torch.randn(3, 8), torch.ones(8), None, 1e-5).fn is layer_norm_torch
