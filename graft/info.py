@@ -48,6 +48,7 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
         "device": info.as_dict(),
         "triton_interpret": triton_interpret(),
         "dispatch_entry": _dispatch_entry(),
+        "tensor_check": _tensor_check(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GRAFT_")},
         "unknown_environment": config.unknown_env_vars(known),
         "plugins": [r.as_dict() for r in host.records.values()],
@@ -88,6 +89,19 @@ def _render_tuning(report: dict) -> list:
     if tuning.get("batch_invariant"):
         lines.append("  batch-invariant mode: one backend per shape for every token count")
     return lines
+
+
+def _tensor_check() -> str:
+    """Which check the remembered argument signatures use on each call (graft.signature)."""
+    from graft import signature, tensor_guard
+
+    kind = signature.guard_kind()
+    if kind == "graft":
+        return tensor_guard.status()
+    if kind == "torch":
+        return ("torch's TensorGuards (graft's C++ tensor guard " + ("does not load or behave" if tensor_guard.module()
+                else "is not built: python -m graft.tensor_guard build") + ")")
+    return "Python (no compiled tensor check behaves in this torch)"
 
 
 def _dispatch_entry() -> str:
@@ -133,6 +147,7 @@ def render_text(report: dict) -> str:
     lines.append(f"device: {d['type']} {d['name']} arch={d['arch']} generation={d['generation']}"
                  + ("  [TRITON_INTERPRET=1]" if report["triton_interpret"] else ""))
     lines.append(f"dispatch entry: {report['dispatch_entry']}")
+    lines.append(f"signature check: {report['tensor_check']}")
     env = report["environment"]
     lines.append("environment: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "(no GRAFT_* variables set)"))
     for var in report["unknown_environment"]:

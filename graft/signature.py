@@ -54,20 +54,49 @@ def _torch_guard(tensors: tuple) -> Callable[..., bool]:
     return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
 
 
-def _torch_guard_works() -> bool:
-    """torch's tensor check is private API: use it only if it behaves as graft relies on."""
+def _graft_guard(tensors: tuple) -> Callable[..., bool]:
+    from graft import tensor_guard
+
+    return tensor_guard.module().make(*tensors)
+
+
+def _guard_works(make: Callable, what: str) -> bool:
+    """A compiled tensor check is used only if it behaves as graft relies on (torch's is
+    private API; graft's is built against a torch that may since have changed)."""
     try:
-        x = torch.zeros(2, 3)
-        check = _torch_guard((x,))
+        x, y = torch.zeros(2, 3), torch.zeros(4)
+        check = make((x,))
+        pair = make((x, y))
         return (check(torch.ones(2, 3)) is True and check(torch.ones(3, 2)) is False
                 and check(torch.ones(2, 3, dtype=torch.float64)) is False
                 and check(torch.ones(3, 2).t()) is False  # same shape, other strides
                 and check(torch.ones(2, 3, device="meta")) is False
-                and check(None) is False and check(torch.ones(2, 3).requires_grad_()) is False)
+                and check(None) is False and check(torch.ones(2, 3).requires_grad_()) is False
+                and check(torch.nn.Parameter(torch.ones(2, 3))) is False  # another tensor type
+                and pair(torch.ones(2, 3), torch.ones(4)) is True and pair(x, x) is False)
     except Exception as exc:  # absent, or another signature in this torch
-        log.info("torch's C++ tensor check is unusable here (%s: %s); signatures are compared in Python",
-                 type(exc).__name__, exc)
+        log.info("%s is unusable here (%s: %s)", what, type(exc).__name__, exc)
         return False
+
+
+def _pick_guard() -> Callable:
+    """graft's C++ tensor check where it is built and behaves, else torch's, else Python's."""
+    from graft import tensor_guard
+
+    if tensor_guard.module() is not None and _guard_works(_graft_guard, "graft's C++ tensor guard"):
+        return _graft_guard
+    if _guard_works(_torch_guard, "torch's C++ tensor check"):
+        return _torch_guard
+    log.info("signatures are compared in Python")
+    return _python_guard
+
+
+def guard_kind() -> str:
+    """Which check remembered signatures use: "graft", "torch" or "python" (``graft info``)."""
+    global _guard
+    if _guard is None:
+        _guard = _pick_guard()
+    return {_graft_guard: "graft", _torch_guard: "torch"}.get(_guard, "python")
 
 
 _guard: Callable | None = None
@@ -78,7 +107,7 @@ def tensor_guard(tensors: tuple) -> Callable[..., bool]:
     """A function of as many tensors that is True when they match ``tensors``' metadata."""
     global _guard
     if _guard is None:
-        _guard = _torch_guard if _torch_guard_works() else _python_guard
+        _guard = _pick_guard()
     if len({id(t) for t in tensors}) < len(tensors):
         return _python_guard(tensors)  # torch's check never matches one tensor passed twice
     return _guard(tensors)

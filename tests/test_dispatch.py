@@ -309,18 +309,52 @@ def test_adam_step_remembers_its_signature_across_steps(fresh_graft):
         fused.adam_step(p, g, m, v, 1e-3, 1.5, 0.999, 1e-8, 4)
 
 
-def test_torch_tensor_check_is_used_where_it_behaves():
-    from graft import signature
+def test_compiled_tensor_checks_are_used_where_they_behave():
+    from graft import signature, tensor_guard
 
-    assert signature._torch_guard_works()  # the torch graft pins: the C++ check is in use
+    assert signature._guard_works(signature._torch_guard, "torch's")  # the torch graft pins
+    assert tensor_guard.module() is not None, "ci/setup.sh builds graft's tensor guard"
+    assert signature._guard_works(signature._graft_guard, "graft's")
+    assert signature.guard_kind() == "graft"
     x = torch.ones(2, 3)
-    for make in (signature._torch_guard, signature._python_guard):
+    for make in (signature._graft_guard, signature._torch_guard, signature._python_guard):
         check = make((x,))
         assert check(torch.zeros(2, 3)) and not check(torch.zeros(3, 2)) and not check(torch.ones(3, 2).t())
         assert not check(torch.zeros(2, 3, dtype=torch.int32)) and not check(torch.zeros(2, 3, device="meta"))
         assert not check(None) and not check(torch.nn.Parameter(x))
     aliased = signature.tensor_guard((x, x))  # one tensor passed twice still matches
     assert aliased(x, x) and aliased(torch.ones(2, 3), torch.ones(2, 3)) and not aliased(x, torch.ones(3))
+
+
+def test_graft_and_torch_tensor_guards_agree():
+    """graft's C++ guard answers as torch's TensorGuards over tensors that differ from the
+    remembered ones in one property each (outside torch.compile and dispatch modes, where
+    graft's dispatch never consults a remembered signature)."""
+    from graft import signature
+
+    base = torch.randn(4, 6)
+    probes = [
+        base.clone(), torch.randn(4, 6), base.t().contiguous().t(), base[:, :3], base.t(), torch.randn(6, 4).t(),
+        base.double(), base.half(), base.to(torch.int32), base.unsqueeze(0), base.reshape(24), torch.randn(4, 6, 1),
+        base.clone().requires_grad_(), torch.nn.Parameter(base.clone()), torch.randn(4, 6, device="meta"),
+        torch.empty(0, 6), torch.tensor(1.0), base.as_strided((4, 6), (1, 4)), base.to_sparse(),
+        torch.nested.nested_tensor([torch.randn(2, 6), torch.randn(3, 6)]), base.clone().to(memory_format=torch.contiguous_format),
+    ]
+    with torch.inference_mode():
+        probes.append(torch.randn(4, 6))
+    for remembered in (base, base.t(), base[:, :3], torch.empty(0, 6), torch.tensor(1.0)):
+        g, t = signature._graft_guard((remembered,)), signature._torch_guard((remembered,))
+        for probe in probes:
+            if probe.is_nested:
+                assert g(probe) is False  # (torch's check aborts the process on a nested tensor)
+                continue
+            assert g(probe) is t(probe), (tuple(remembered.shape), remembered.stride(), probe)
+    for remembered in ((base, torch.zeros(3, dtype=torch.int32)), (base.half(), base.t(), torch.zeros(0))):
+        g, t = signature._graft_guard(remembered), signature._torch_guard(remembered)
+        same = tuple(r.clone() if r.is_contiguous() else r.t().contiguous().t() for r in remembered)
+        assert g(*same) is t(*same) is True
+        assert g(*same[:-1]) is False  # another count
+        assert g(*same, base) is False
 
 
 @pytest.mark.timeout(120)
