@@ -12,10 +12,13 @@
  *   (nargs, kwnames, kinds, guard, values, varying, varying_at, context, context_value, impl)
  * nargs     positional arguments after op; kwnames: the keyword names, in call order (a
  *           call matches only with the same shape: other spellings get their own hit)
- * kinds     bytes, one per passed argument: T tensor, N None, S scalar (exact type and
- *           value), V varying scalar (exact type; values checked by `varying`)
- * guard     called with the T arguments in order: True when their metadata match (a T
- *           argument's is_nested must be False first: torch's check aborts on a nested tensor)
+ * kinds     bytes, one per passed argument: T tensor, G tensor the guard alone checks, N
+ *           None, S scalar (exact type and value), V varying scalar (exact type; values
+ *           checked by `varying`)
+ * guard     called with the T and G arguments in order: True when their metadata match (a T
+ *           argument's is_nested must be False first: torch's check aborts on a nested tensor;
+ *           graft's own guard, graft/_tensor_guard.cpp, compares each object's type and key
+ *           set before anything else, so a G argument goes to it as it is)
  * values    tuple of (type, value), one per S argument in order
  * varying   None, or called with the arguments at the positions in varying_at
  * context   None, or called with no arguments: must return the object context_value, a
@@ -83,6 +86,9 @@ matches(PyObject *hit, PyObject *const *args, Py_ssize_t n, Py_ssize_t nargs, Py
             tensors[nt++] = a;
             break;
         }
+        case 'G':
+            tensors[nt++] = a;
+            break;
         case 'N':
             if (a != Py_None)
                 return 0;

@@ -222,11 +222,13 @@ class Recogniser:
         values = iter(scalars)
         pairs = tuple((k[1], next(values) if k[0] == "S" else None) for k in kinds if isinstance(k, tuple))
         codes = bytes(ord(k if isinstance(k, str) else k[0]) for k in kinds)
+        guard = tensor_guard(tuple(tensors)) if tensors else None
+        if guard is not None and _guard is _graft_guard and len({id(t) for t in tensors}) == len(tensors):
+            codes = codes.replace(b"T", b"G")  # graft's guard checks type and key set itself: no is_nested read
         context = self._context_ref()
         if context is False:
             return None
-        return (len(args), tuple(kwargs), codes, tensor_guard(tuple(tensors)) if tensors else None, pairs,
-                varying, at, self.context, context, impl)
+        return (len(args), tuple(kwargs), codes, guard, pairs, varying, at, self.context, context, impl)
 
     def _factory(self, kinds: tuple) -> Callable:
         """Source for one arrangement of argument kinds, compiled once: the hit function's
