@@ -217,6 +217,9 @@ class Registry:
         return {name: spec.family for name, spec in self.ops.items()}
 
 
+TORCH_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
+
+
 def reference_impl(spec: OpSpec, provider: str = "graft") -> Implementation:
     """The torch reference as an implementation: any device, any dtype the op allows."""
     return Implementation(
@@ -225,9 +228,16 @@ def reference_impl(spec: OpSpec, provider: str = "graft") -> Implementation:
         fn=spec.reference,
         provider=provider,
         description="torch reference",
-        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}),
+        devices=TORCH_DEVICES,
         priority=-100,
     )
+
+
+def torch_fast_path(op: str, fn: Callable, description: str) -> Implementation:
+    """graft's ``torch`` backend of ``op`` beside its reference: torch's own fused kernels or a
+    batched formulation, on every device torch runs on, ranked above the reference."""
+    return Implementation(op=op, backend="torch", fn=fn, provider="graft", description=description,
+                          devices=TORCH_DEVICES, priority=-50)
 
 
 def key_tensor(spec: OpSpec, args: tuple, kwargs: dict) -> torch.Tensor | None:

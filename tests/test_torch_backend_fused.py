@@ -54,42 +54,38 @@ def test_prefill_torch_keeps_the_reference_semantics_for_non_finite_inputs():
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_torch_matches_reference(dtype, residual):
-    gen = torch.Generator().manual_seed(1)
+def _norm_inputs(dtype, extra, seed):
+    """x [7, 33], a weight near 1, and (``extra``) a residual [7, 33] or a bias [33], in ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(7, 33, generator=gen).to(dtype)
     w = (1 + 0.1 * torch.randn(33, generator=gen)).to(dtype)
-    r = torch.randn(7, 33, generator=gen).to(dtype) if residual else None
-    got, want = rms_norm_torch(x, w, 1e-6, r), rms_norm_reference(x, w, 1e-6, r)
-    for a, b in zip(got if residual else [got], want if residual else [want]):
+    shape = {"residual": (7, 33), "bias": (33,)}.get(extra)
+    return gen, x, w, torch.randn(shape, generator=gen).to(dtype) if shape else None
+
+
+# (torch backend, reference, eps, the optional tensor's name): bit for bit in every dtype (fp32:
+# torch's own call; else the reference's fp32 math), gradients too.
+NORMS = [pytest.param(rms_norm_torch, rms_norm_reference, 1e-6, "residual", id="rms_norm"),
+         pytest.param(layer_norm_torch, layer_norm_reference, 1e-5, "bias", id="layer_norm")]
+
+
+@pytest.mark.parametrize("torch_fn, reference, eps, extra", NORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_norm_torch_backends_match_their_references(torch_fn, reference, eps, extra, dtype, with_extra):
+    gen, x, w, other = _norm_inputs(dtype, extra if with_extra else None, seed=1)
+    got, want = torch_fn(x, w, eps=eps, **{extra: other}), reference(x, w, eps=eps, **{extra: other})
+    many = isinstance(want, tuple)  # rms_norm with a residual: (out, the sum)
+    for a, b in zip(got if many else [got], want if many else [want]):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    xg, wg = x.float().requires_grad_(), w.float().requires_grad_()
-    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
-    cot = torch.randn(7, 33, generator=gen)
-    rms_norm_torch(xg, wg).backward(cot)
-    rms_norm_reference(xr, wr).backward(cot)
-    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(wg.grad, wr.grad, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bias", [False, True])
-def test_layer_norm_torch_matches_reference(dtype, bias):
-    """Bit for bit in every dtype (fp32: torch's call itself; else the reference), gradients too."""
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(7, 33, generator=gen).to(dtype)
-    w = (1 + 0.1 * torch.randn(33, generator=gen)).to(dtype)
-    b = torch.randn(33, generator=gen).to(dtype) if bias else None
-    got, want = layer_norm_torch(x, w, b, 1e-5), layer_norm_reference(x, w, b, 1e-5)
-    assert got.dtype == want.dtype
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    leaves = [t.float().requires_grad_() for t in (x, w)] + ([b.float().requires_grad_()] if bias else [])
+    if extra == "residual":
+        other = None  # the gradient check without the residual add
+    leaves = [t.float().requires_grad_() for t in (x, w) + ((other,) if other is not None else ())]
     copies = [t.detach().clone().requires_grad_() for t in leaves]
     cot = torch.randn(7, 33, generator=gen)
-    layer_norm_torch(*leaves[:2], leaves[2] if bias else None).backward(cot)
-    layer_norm_reference(*copies[:2], copies[2] if bias else None).backward(cot)
+    torch_fn(*leaves[:2], eps=eps, **{extra: leaves[2] if len(leaves) > 2 else None}).backward(cot)
+    reference(*copies[:2], eps=eps, **{extra: copies[2] if len(copies) > 2 else None}).backward(cot)
     for a, r in zip(leaves, copies):
         torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
 

@@ -347,28 +347,18 @@ def prefill_paged_torch(q, key_cache, value_cache, block_tables, cu_seqlens_q, s
 
 def torch_implementations():
     """graft's torch backend of attention.prefill, prefill_paged and decode_paged (rank above the plain references)."""
-    from graft.registry import Implementation
+    from graft.registry import torch_fast_path
 
-    devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
     return [
-        Implementation(
-            op="attention.prefill", backend="torch", fn=prefill_torch, provider="graft",
-            description="torch.nn.functional.scaled_dot_product_attention (batched when sequences have equal "
-                        "lengths); reference for zero-key causal rows and non-finite inputs",
-            devices=devices, priority=-50,
-        ),
-        Implementation(
-            op="attention.prefill_paged", backend="torch", fn=prefill_paged_torch, provider="graft",
-            description="context gathered out of the pages with one index, then SDPA (prefill's torch "
-                        "backend); reference for out-of-range lengths and block ids",
-            devices=devices, priority=-50,
-        ),
-        Implementation(
-            op="attention.decode_paged", backend="torch", fn=decode_paged_torch, provider="graft",
-            description="all sequences in one batched matmul/softmax over the used pages (gathered once, fp8 "
-                        "dequantised after the gather), shorter contexts masked",
-            devices=devices, priority=-50,
-        ),
+        torch_fast_path("attention.prefill", prefill_torch,
+                        "torch.nn.functional.scaled_dot_product_attention (batched when sequences have equal "
+                        "lengths); reference for zero-key causal rows and non-finite inputs"),
+        torch_fast_path("attention.prefill_paged", prefill_paged_torch,
+                        "context gathered out of the pages with one index, then SDPA (prefill's torch "
+                        "backend); reference for out-of-range lengths and block ids"),
+        torch_fast_path("attention.decode_paged", decode_paged_torch,
+                        "all sequences in one batched matmul/softmax over the used pages (gathered once, fp8 "
+                        "dequantised after the gather), shorter contexts masked"),
     ]
 
 

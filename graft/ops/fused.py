@@ -85,21 +85,14 @@ def layer_norm_torch(x, weight, bias=None, eps=1e-5):
 def torch_implementations():
     """graft's torch backend of fused.rms_norm, fused.layer_norm and fused.adam_step (rank
     above the plain references)."""
-    from graft.registry import Implementation
+    from graft.registry import torch_fast_path
 
-    devices = frozenset({"cpu", "cuda", "xpu", "mps", "meta"})
     return _adam_torch_implementations() + [
-        Implementation(
-            op="fused.rms_norm", backend="torch", fn=rms_norm_torch, provider="graft",
-            description="torch.nn.functional.rms_norm (what torch.nn.RMSNorm runs) on fp32 values",
-            devices=devices, priority=-50,
-        ),
-        Implementation(
-            op="fused.layer_norm", backend="torch", fn=layer_norm_torch, provider="graft",
-            description="torch.nn.functional.layer_norm (what torch.nn.LayerNorm runs) in fp32; the reference "
-                        "otherwise",
-            devices=devices, priority=-50,
-        ),
+        torch_fast_path("fused.rms_norm", rms_norm_torch,
+                        "torch.nn.functional.rms_norm (what torch.nn.RMSNorm runs) on fp32 values"),
+        torch_fast_path("fused.layer_norm", layer_norm_torch,
+                        "torch.nn.functional.layer_norm (what torch.nn.LayerNorm runs) in fp32; the reference "
+                        "otherwise"),
     ]
 
 
@@ -614,13 +607,10 @@ def adam_step_torch(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, ste
 
 def _adam_torch_implementations() -> list:
     """The ``torch`` backend of fused.adam_step (ranks above the plain reference)."""
-    from graft.registry import Implementation
+    from graft.registry import torch_fast_path
 
-    return [Implementation(
-        op=OP, backend="torch", fn=adam_step_torch, provider="graft",
-        description="torch._fused_adam(w)_ (what torch.optim.Adam(fused=True) runs); reference otherwise",
-        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
-    )]
+    return [torch_fast_path(OP, adam_step_torch,
+                            "torch._fused_adam(w)_ (what torch.optim.Adam(fused=True) runs); reference otherwise")]
 
 
 # ---------------------------------------------------------------------------- in place, many tensors

@@ -159,13 +159,10 @@ def fused_linear_cross_entropy_torch(x, weight, target, bias=None, ignore_index=
 
 def torch_implementations():
     """graft's torch backend of loss.fused_linear_cross_entropy (ranks above the reference)."""
-    from graft.registry import Implementation
+    from graft.registry import torch_fast_path
 
-    return [Implementation(
-        op="loss.fused_linear_cross_entropy", backend="torch", fn=fused_linear_cross_entropy_torch,
-        provider="graft", description="chunked over tokens with torch ops (no [T, V] logits; backward recomputes)",
-        devices=frozenset({"cpu", "cuda", "xpu", "mps", "meta"}), priority=-50,
-    )]
+    return [torch_fast_path("loss.fused_linear_cross_entropy", fused_linear_cross_entropy_torch,
+                            "chunked over tokens with torch ops (no [T, V] logits; backward recomputes)")]
 
 
 def validate_fused_linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean"):
