@@ -16,12 +16,13 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 namespace {
 
 struct Expected {
-  PyTypeObject* type;
+  PyTypeObject* type;  // a strong reference: a freed subclass's address must not match a new type
   uint64_t keys;
   c10::ScalarType dtype;
   c10::Device device;
@@ -73,8 +74,14 @@ PyObject* guard_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObj
   Py_RETURN_TRUE;
 }
 
+void release(std::vector<Expected>* expected) {
+  for (const Expected& e : *expected)
+    Py_DECREF(reinterpret_cast<PyObject*>(e.type));
+  delete expected;
+}
+
 void guard_dealloc(PyObject* self) {
-  delete reinterpret_cast<Guard*>(self)->expected;
+  release(reinterpret_cast<Guard*>(self)->expected);
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -85,28 +92,29 @@ PyObject* make(PyObject* /*module*/, PyObject* const* args, Py_ssize_t n) {
   try {
     for (Py_ssize_t i = 0; i < n; i++) {
       if (!THPVariable_Check(args[i])) {
-        delete expected;
+        release(expected);
         PyErr_Format(PyExc_TypeError, "make: argument %zd is a %s, not a tensor", i, Py_TYPE(args[i])->tp_name);
         return nullptr;
       }
       c10::TensorImpl* impl = THPVariable_Unpack(args[i]).unsafeGetTensorImpl();
       if (impl->has_symbolic_sizes_strides()) {
-        delete expected;
+        release(expected);
         PyErr_SetString(PyExc_TypeError, "make: a tensor with symbolic sizes");
         return nullptr;
       }
-      expected->push_back(Expected{Py_TYPE(args[i]), impl->key_set().raw_repr(), impl->dtype().toScalarType(),
-                                   impl->device(), impl->requires_grad(), impl->sizes().vec(),
-                                   impl->strides().vec()});
+      Expected e{Py_TYPE(args[i]), impl->key_set().raw_repr(), impl->dtype().toScalarType(), impl->device(),
+                 impl->requires_grad(), impl->sizes().vec(), impl->strides().vec()};
+      Py_INCREF(reinterpret_cast<PyObject*>(e.type));
+      expected->push_back(std::move(e));
     }
   } catch (const std::exception& exc) {
-    delete expected;
+    release(expected);
     PyErr_Format(PyExc_TypeError, "make: %s", exc.what());
     return nullptr;
   }
   Guard* guard = PyObject_New(Guard, &GuardType);
   if (guard == nullptr) {
-    delete expected;
+    release(expected);
     return nullptr;
   }
   guard->vectorcall = guard_call;

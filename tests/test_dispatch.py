@@ -610,3 +610,25 @@ def test_the_kernels_checks_declare_what_they_read():
             takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
             for name in impl.check_scalars:
                 assert takes_any or name in params, f"{impl.key}: check_scalars names {name!r}, not a parameter"
+
+
+def test_graft_tensor_guard_holds_the_types_it_compares():
+    """A guard keeps each remembered tensor type alive (a freed subclass's address must never
+    match another type) and lets go of it when the guard goes."""
+    import sys
+
+    from graft import tensor_guard
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.randn(3).as_subclass(Sub)
+    before = sys.getrefcount(Sub)
+    guards = [tensor_guard.module().make(sub, torch.zeros(2)) for _ in range(10)]
+    assert sys.getrefcount(Sub) == before + 10
+    assert guards[0](torch.randn(3).as_subclass(Sub), torch.ones(2)) is True
+    assert guards[0](torch.randn(3), torch.ones(2)) is False  # the base type is another type
+    del guards
+    assert sys.getrefcount(Sub) == before
+    with pytest.raises(TypeError, match="argument 1 is a int, not a tensor"):
+        tensor_guard.module().make(sub, 3)
