@@ -309,9 +309,12 @@ def test_adam_step_remembers_its_signature_across_steps(fresh_graft):
         fused.adam_step(p, g, m, v, 1e-3, 1.5, 0.999, 1e-8, 4)
 
 
-def test_compiled_tensor_checks_are_used_where_they_behave():
+def test_compiled_tensor_checks_are_used_where_they_behave(monkeypatch):
     from graft import signature, tensor_guard
 
+    monkeypatch.delenv("GRAFT_CACHE_DIR", raising=False)  # where ci/setup.sh built it
+    tensor_guard.module.cache_clear()  # (an earlier test may have looked in another cache)
+    monkeypatch.setattr(signature, "_guard", None)
     assert signature._guard_works(signature._torch_guard, "torch's")  # the torch graft pins
     assert tensor_guard.module() is not None, "ci/setup.sh builds graft's tensor guard"
     assert signature._guard_works(signature._graft_guard, "graft's")
