@@ -96,11 +96,10 @@ def _tensor_check() -> str:
     from graft import signature, tensor_guard
 
     kind = signature.guard_kind()
-    if kind == "graft":
-        return tensor_guard.status()
+    if kind == "graft" or (kind == "torch" and tensor_guard.module() is None):
+        return tensor_guard.status()  # graft's guard, or why it is not there
     if kind == "torch":
-        return ("torch's TensorGuards (graft's C++ tensor guard " + ("does not load or behave" if tensor_guard.module()
-                else "is not built: python -m graft.tensor_guard build") + ")")
+        return "torch's TensorGuards (graft's C++ tensor guard is built but does not behave in this torch)"
     return "Python (no compiled tensor check behaves in this torch)"
 
 

@@ -91,26 +91,29 @@ def _pick_guard() -> Callable:
     return _python_guard
 
 
-def guard_kind() -> str:
-    """Which check remembered signatures use: "graft", "torch" or "python" (``graft info``)."""
-    global _guard
-    if _guard is None:
-        _guard = _pick_guard()
-    return {_graft_guard: "graft", _torch_guard: "torch"}.get(_guard, "python")
-
-
 _guard: Callable | None = None
 FAST_MAX_ARGS = 32  # graft/_fastcall.c's MAX_ARGS
 
 
-def tensor_guard(tensors: tuple) -> Callable[..., bool]:
-    """A function of as many tensors that is True when they match ``tensors``' metadata."""
+def _chosen_guard() -> Callable:
+    """The guard maker of this process, picked on first use (:func:`_pick_guard`)."""
     global _guard
     if _guard is None:
         _guard = _pick_guard()
+    return _guard
+
+
+def guard_kind() -> str:
+    """Which check remembered signatures use: "graft", "torch" or "python" (``graft info``)."""
+    return {_graft_guard: "graft", _torch_guard: "torch"}.get(_chosen_guard(), "python")
+
+
+def tensor_guard(tensors: tuple) -> Callable[..., bool]:
+    """A function of as many tensors that is True when they match ``tensors``' metadata."""
+    make = _chosen_guard()
     if len({id(t) for t in tensors}) < len(tensors):
         return _python_guard(tensors)  # torch's check never matches one tensor passed twice
-    return _guard(tensors)
+    return make(tensors)
 
 
 class Recogniser:

@@ -198,7 +198,8 @@ def _aot_variants():
             for m in (1, 32, 64, 128, 4096):
                 cfg = plan(m, 4096, 4096, "cuda", blockwise, generation=generation, sms=SM_COUNT[generation])
                 cfg["SPLIT_K"] = min(cfg["SPLIT_K"], 2)  # only switches the store path
-                plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)  # EVEN_K in
+                # keyed by every plan entry but K_PER_SPLIT (EVEN_K included: it is a constexpr)
+                plans.setdefault(tuple(sorted((k, v) for k, v in cfg.items() if k != "K_PER_SPLIT")), cfg)
             for cfg in plans.values():
                 flags = dict(BLOCKWISE=blockwise, HAS_BIAS=True, SPLIT_K=cfg["SPLIT_K"], UPCAST=False,
                              EVEN_K=cfg["EVEN_K"], **tile_constexprs(cfg))
