@@ -9,7 +9,7 @@
  * file only saves the Python frames and the argument tuples and dicts around the call.
  *
  * A remembered signature ("hit") is a tuple built by graft.signature.Recogniser.fast_hit:
- *   (nargs, kwnames, kinds, guard, values, varying, varying_at, context, context_value, impl)
+ *   (nargs, kwnames, kinds, guard, values, varying, varying_at, context, context_value, impl, fn)
  * nargs     positional arguments after op; kwnames: the keyword names, in call order (a
  *           call matches only with the same shape: other spellings get their own hit)
  * kinds     bytes, one per passed argument: T tensor, G tensor the guard alone checks, N
@@ -23,7 +23,10 @@
  * varying   None, or called with the arguments at the positions in varying_at
  * context   None, or called with no arguments: must return the object context_value, a
  *           weak reference, refers to (identity; a dead reference matches nothing)
- * impl      the Implementation to call (impl.fn is read on each call)
+ * impl      the Implementation that serves (returned by run, handed to fall_back)
+ * fn        impl.fn, the function called (Implementation is frozen: read once, when the
+ *           signature is remembered; a Python attribute read per call costs an instance-dict
+ *           and a type lookup, which the kernels between two calls push out of the caches)
  *
  * int_bounds(t) and int_steps(t) serve the value checks a remembered signature still runs
  * (OpSpec.check_values): the smallest and largest value of an index tensor (block tables,
@@ -41,8 +44,9 @@ static PyObject *slow_call;     /* the Python entries: every case this file does
 static PyObject *slow_run;
 static PyObject *fall_back;     /* fall_back(op, impl, exc, args, kwargs) -> (out, impl) */
 static PyObject *unsupported;   /* GraftUnsupportedError */
-static PyObject *compiler;      /* torch.compiler (its _is_compiling_flag), or None */
-static PyObject *str_fn, *str_flag, *str_is_nested;
+static PyObject *compiler;      /* torch.compiler's __dict__ (its _is_compiling_flag), or None: a module
+                                  attribute read goes through the module type's lookup first */
+static PyObject *str_flag, *str_is_nested;
 static PyObject *tensor_type, *int32_dtype, *int64_dtype;  /* int_bounds: set by configure_bounds */
 static PyObject *str_is_cpu, *str_dtype, *str_is_contiguous, *str_numel, *str_data_ptr;
 
@@ -197,17 +201,13 @@ entry(PyObject *const *args, size_t nargsf, PyObject *kwnames, int with_impl)
         return PyObject_Vectorcall(slow, args, nargsf, kwnames);
     }
     if (compiler != Py_None) {  /* torch.compile/export running Python for real: the Python entries */
-        PyObject *flag = PyObject_GetAttr(compiler, str_flag);
+        PyObject *flag = PyDict_GetItemWithError(compiler, str_flag);  /* borrowed */
         if (flag == NULL)
             PyErr_Clear();
-        else {
-            int compiling = flag == Py_True;
-            Py_DECREF(flag);
-            if (compiling)
-                return PyObject_Vectorcall(slow, args, nargsf, kwnames);
-        }
+        else if (flag == Py_True)
+            return PyObject_Vectorcall(slow, args, nargsf, kwnames);
     }
-    PyObject *impl = NULL;
+    PyObject *impl = NULL, *fn = NULL;
     Py_INCREF(hits);  /* the list may be replaced while a hit runs Python code */
     for (Py_ssize_t h = 0; h < PyList_GET_SIZE(hits); h++) {
         PyObject *hit = PyList_GET_ITEM(hits, h);
@@ -215,7 +215,9 @@ entry(PyObject *const *args, size_t nargsf, PyObject *kwnames, int with_impl)
         int m = matches(hit, args + 1, nargs - 1 + nkw, nargs - 1, kwnames);
         if (m == 1) {
             impl = PyTuple_GET_ITEM(hit, 9);
+            fn = PyTuple_GET_ITEM(hit, 10);
             Py_INCREF(impl);
+            Py_INCREF(fn);
         }
         Py_DECREF(hit);
         if (m < 0) {
@@ -228,11 +230,6 @@ entry(PyObject *const *args, size_t nargsf, PyObject *kwnames, int with_impl)
     Py_DECREF(hits);
     if (impl == NULL)
         return PyObject_Vectorcall(slow, args, nargsf, kwnames);
-    PyObject *fn = PyObject_GetAttr(impl, str_fn);
-    if (fn == NULL) {
-        Py_DECREF(impl);
-        return NULL;
-    }
     PyObject *out = PyObject_Vectorcall(fn, args + 1, nargs - 1, kwnames);
     Py_DECREF(fn);
     if (out == NULL) {
@@ -280,6 +277,10 @@ configure(PyObject *self, PyObject *args)
     Py_XSETREF(slow_run, Py_NewRef(sr));
     Py_XSETREF(fall_back, Py_NewRef(fb));
     Py_XSETREF(unsupported, Py_NewRef(exc));
+    if (comp != Py_None && !PyDict_Check(comp)) {
+        PyErr_SetString(PyExc_TypeError, "configure: the compiler flag's namespace must be a dict or None");
+        return NULL;
+    }
     Py_XSETREF(compiler, Py_NewRef(comp));
     Py_RETURN_NONE;
 }
@@ -418,7 +419,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "graft._fastcall", NU
 PyMODINIT_FUNC
 PyInit__fastcall(void)
 {
-    str_fn = PyUnicode_InternFromString("fn");
     str_flag = PyUnicode_InternFromString("_is_compiling_flag");
     str_is_nested = PyUnicode_InternFromString("is_nested");
     str_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -426,7 +426,7 @@ PyInit__fastcall(void)
     str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
     str_numel = PyUnicode_InternFromString("numel");
     str_data_ptr = PyUnicode_InternFromString("data_ptr");
-    if (str_fn == NULL || str_flag == NULL || str_is_nested == NULL || str_is_cpu == NULL || str_dtype == NULL
+    if (str_flag == NULL || str_is_nested == NULL || str_is_cpu == NULL || str_dtype == NULL
         || str_is_contiguous == NULL || str_numel == NULL || str_data_ptr == NULL)
         return NULL;
     return PyModule_Create(&module);

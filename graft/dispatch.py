@@ -597,7 +597,7 @@ if _fastcall is not None:
     # other call to the Python entries above, which stay the definition (and what
     # torch.compile traces in their place).
     _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
-                        torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else None)
+                        vars(torch.compiler) if hasattr(torch.compiler, "_is_compiling_flag") else None)
     call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
 if "torch._dynamo" in sys.modules:
     _with_dynamo()

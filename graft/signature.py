@@ -231,7 +231,7 @@ class Recogniser:
         context = self._context_ref()
         if context is False:
             return None
-        return (len(args), tuple(kwargs), codes, guard, pairs, varying, at, self.context, context, impl)
+        return (len(args), tuple(kwargs), codes, guard, pairs, varying, at, self.context, context, impl, impl.fn)
 
     def _factory(self, kinds: tuple) -> Callable:
         """Source for one arrangement of argument kinds, compiled once: the hit function's

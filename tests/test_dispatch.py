@@ -441,6 +441,26 @@ def test_c_and_python_entries_agree(fresh_graft, entry):
     torch.testing.assert_close(got, attention.prefill_reference(q, k, v, cu, cu, 3, 3, causal=True))
 
 
+def test_c_entry_calls_the_remembered_function_unless_torch_is_compiling(fresh_graft, monkeypatch):
+    """The C entry calls the function a remembered signature holds (read when it was
+    remembered, not per call), and hands every call to the Python entry while torch's
+    export/compile flag is up (it reads the flag from torch.compiler's namespace)."""
+    if not hasattr(torch.compiler, "_is_compiling_flag"):
+        pytest.skip("this torch has no torch.compiler._is_compiling_flag")
+    x, w = torch.randn(3, 8), torch.randn(8)
+    for _ in range(2):
+        want = dispatch.call("fused.rms_norm", x, w, 1e-6)
+    (hit,) = dispatch._fast_hits["fused.rms_norm"]
+    assert hit[10] is hit[9].fn
+    marker = torch.zeros(1)
+    dispatch._fast_hits["fused.rms_norm"][0] = hit[:10] + ((lambda *args, **kwargs: marker),)
+    assert dispatch.call("fused.rms_norm", x, w, 1e-6) is marker
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    torch.testing.assert_close(dispatch.call("fused.rms_norm", x, w, 1e-6), want)  # the Python entry
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+    assert dispatch.call("fused.rms_norm", x, w, 1e-6) is marker
+
+
 def test_c_entry_falls_back_when_an_implementation_fails_at_run_time(fresh_graft, monkeypatch, caplog):
     """A remembered signature's implementation that starts failing (a lost device, a failed
     lazy build) falls back through the Python code, with the reason logged."""

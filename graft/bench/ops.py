@@ -20,16 +20,26 @@ Two measurements per op, each interleaved (medians of per-round differences):
   once its signature is remembered).
 * ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
   directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
-  the kernel's noise.
+  the kernel's noise. The rounds of the real calls hold a few calls each (one for calls of
+  50 us and more), in a random order each round: the public op and the implementation it
+  selected run a call or two apart, so that the host's speed, which swings within
+  milliseconds here, is the same for both sides of a difference (with 20 calls a side, half
+  the noise of a 300 us call's delta was the host's speed changing between two batches),
+  and each runs after each other variant alike (see ``timing.interleaved``). Rounds are
+  added until the delta is known to a fraction of a microsecond, or is two standard errors
+  away from the 2 us target, or the op's budget is spent.
 
 Collectives need a process group: their rows are measured on every rank of one
 (``collectives=True``, from :mod:`graft.bench.distributed`)."""
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 
 import torch
 
+from graft.bench.overhead import TARGETS
 from graft.bench.timing import interleaved, interleaved_until
 from graft.platform import dtype_name
 
@@ -49,17 +59,23 @@ def first_quick_cases() -> dict:
 @contextlib.contextmanager
 def stubbed(impl, output):
     """``impl.fn`` returns ``output`` without computing, inside the block (bench only:
-    Implementation is frozen for everyone else)."""
+    Implementation is frozen for everyone else). Dispatch's remembered signatures hold the
+    function they call, so they are forgotten on the way in and out: the next calls
+    remember them again with the function in force."""
+    from graft import selection
+
     real = impl.fn
 
     def stub(*args, **kwargs):
         return output
 
     object.__setattr__(impl, "fn", stub)
+    selection.forget()
     try:
         yield stub
     finally:
         object.__setattr__(impl, "fn", real)
+        selection.forget()
 
 
 def public_entry(op: str):
@@ -107,12 +123,31 @@ def custom_op_cost(rounds: int, inner: int) -> dict:
     return {"dispatcher_us": t.difference("dispatcher", "plain") * 1e6, "graft_us": t.difference("graft", "plain") * 1e6}
 
 
+ROUND_SPAN_S = 50e-6  # a round's calls of one variant take about this long (at least one call)
+
+
+def calls_per_round(fn, most: int, sync=None) -> int:
+    """How many back-to-back calls of ``fn`` a round times: enough to span ``ROUND_SPAN_S``
+    (a clock read is ~50 ns, so a single call of a few microseconds is read to a few percent),
+    one for calls that long or longer, ``most`` at most. From the fastest of a few calls."""
+    fn()
+    if sync is not None:  # collectives: every rank must make the same calls (and choose alike)
+        return most
+    fastest = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        fastest = min(fastest, time.perf_counter() - start)
+    return max(1, min(most, math.ceil(ROUND_SPAN_S / max(fastest, 1e-9))))
+
+
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
             stub_rounds: int = 301, stub_inner: int = 100, delta_se_us: float = 0.2, delta_budget_s: float = 0.0) -> list:
     """Per op: the real call against the implementation it selected, and graft's own cost
-    (see the module doc). The real call runs ``rounds`` interleaved rounds of ``inner`` calls,
-    repeated while the real-call delta's standard error is above ``delta_se_us`` and the op's
-    ``delta_budget_s`` lasts (0: one batch)."""
+    (see the module doc). The real call runs batches of ``rounds`` x ``inner`` calls a
+    variant, in rounds of :func:`calls_per_round` calls (``inner`` at most), repeated while
+    the real-call delta's standard error is above ``delta_se_us``, its side of the target
+    undecided and the op's ``delta_budget_s`` left (0: one batch)."""
     import graft
 
     registry = graft.get_registry()
@@ -132,27 +167,30 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         direct = impl.fn
         # "again" is the direct call a second time: the spread of (again - direct) is the noise floor
         # any real-call delta below must be read against (an A/A control, measured in the same rounds).
-        calls: dict = {"graft": lambda: call(op, *args, **kwargs), "direct": lambda: direct(*args, **kwargs),
-                       "again": lambda: direct(*args, **kwargs)}
         public = public_entry(op)
-        if public is not None:
-            calls["public"] = lambda: public(*args, **kwargs)
+        calls: dict = {} if public is None else {"public": lambda: public(*args, **kwargs)}
+        calls.update({"direct": lambda: direct(*args, **kwargs), "again": lambda: direct(*args, **kwargs),
+                      "graft": lambda: call(op, *args, **kwargs)})
         framework = None if collectives else framework_call(op, args, kwargs)
         if framework is not None:
             calls["framework"] = framework[1]
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
+            op_inner = calls_per_round(calls["direct"], inner, sync)
+            op_rounds = max(rounds * inner // op_inner, 3)  # the same number of calls a batch
             if public is not None and delta_budget_s > 0:
-                real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, delta_budget_s, rounds,
-                                         inner=inner, sync=sync)
+                real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, delta_budget_s, op_rounds,
+                                         inner=op_inner, sync=sync, shuffle=True,
+                                         threshold=TARGETS["real_call_delta_us"] * 1e-6)
             else:
-                real = interleaved(calls, rounds=rounds, inner=inner, sync=sync)
+                real = interleaved(calls, rounds=op_rounds, inner=op_inner, sync=sync, shuffle=True)
             output = direct(*args, **kwargs)
         real_rounds = len(real.samples["direct"])
-        progress(f"  {op:32s} real call measured ({real_rounds} rounds of {inner})")
+        progress(f"  {op:32s} real call measured ({real_rounds} rounds of {op_inner})")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
                "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
                "real_overhead_us": real.difference("graft", "direct") * 1e6,
-               "real_noise_us": real.difference("again", "direct") * 1e6, "real_rounds": real_rounds}
+               "real_noise_us": real.difference("again", "direct") * 1e6, "real_rounds": real_rounds,
+               "real_inner": op_inner}
         if public is not None:
             # The real-call delta: the public op against the implementation it selected, both real.
             row["public_us"] = real["public"] * 1e6
