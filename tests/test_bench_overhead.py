@@ -26,7 +26,7 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
     assert adam["numel"] == 65536 and adam["torch_us"] > 0 and adam["graft_us"] > 0
     assert 0 < adam["ratio"] < 100 and 0 < adam["functional_ratio"] < 100
     summary = data["summary"]
-    assert set(summary) == {"op_overhead_us", "real_call_delta_us", "adam_ratio"}
+    assert set(summary) == {"op_overhead_us", "op_overhead_cold_us", "real_call_delta_us", "adam_ratio"}
     # The real-call delta (public op vs the implementation it selected, both real) and the
     # comparison with the function a framework calls itself (torch's F.rms_norm here).
     assert isinstance(row["real_call_delta_us"], float) and row["public_us"] > 0
@@ -35,6 +35,9 @@ def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypat
     # (in batches of the same number of calls: 15 rounds of 20, or more rounds of fewer calls)
     assert 1 <= row["real_inner"] <= 20 and row["real_rounds"] % (15 * 20 // row["real_inner"]) == 0
     assert row["real_call_delta_se_us"] >= 0
+    # graft's own cost after the real kernel: the stub timed right after the real implementation ran
+    assert row["overhead_cold_rounds"] >= 100 and 0 <= row["overhead_cold_se_us"] < 1.0
+    assert -1.0 < row["overhead_cold_us"] < 20.0
     assert row["framework"] == "torch.nn.functional.rms_norm" and row["framework_us"] > 0
     for key, entry in summary.items():
         assert set(entry) >= {"worst", "target", "met"}
@@ -78,6 +81,17 @@ def test_summary_says_which_real_call_deltas_the_noise_leaves_open():
     assert entry["met"] and verdict(entry) == "met"
 
 
+def test_collective_deltas_get_their_own_line():
+    from graft.bench.overhead import summarize
+
+    rows = [{"op": "fused.rms_norm", "real_call_delta_us": 0.3, "real_call_delta_se_us": 0.05},
+            {"op": "collectives.all_reduce", "real_call_delta_us": -20.0, "real_call_delta_se_us": 60.0}]
+    summary = summarize({"ops": rows})
+    assert summary["real_call_delta_us"]["met"] and summary["real_call_delta_us"]["op"] == "fused.rms_norm"
+    collective = summary["collective_call_delta_us"]
+    assert not collective["met"] and collective["unresolved"] == {"collectives.all_reduce": [-20.0, 60.0]}
+
+
 def test_summary_counts_torchtitan_steps():
     from graft.bench.overhead import summarize
 
@@ -108,6 +122,9 @@ def test_rounds_are_added_until_the_difference_is_known():
     # a threshold far from the difference decides it at the second batch, however small target_se
     t = interleaved_until(steady, "a", "b", target_se=1e-15, budget_s=10.0, rounds=10, threshold=100e-6)
     assert len(t.samples["a"]) == 20
+    # carried on from an earlier result: its rounds count (here: decided after one more batch)
+    more = interleaved_until(steady, "a", "b", target_se=1e-15, budget_s=10.0, rounds=10, threshold=100e-6, start=t)
+    assert len(more.samples["a"]) == 30 and more.samples["a"][:20] == t.samples["a"]
     # the standard error: 1.2533 x 1.4826 x MAD / sqrt(n); fewer than 3 rounds tell nothing
     two = Timings({}, {"a": [3.0, 1.0, 2.0, 7.0], "b": [0.0, 0.0, 0.0, 0.0]})
     assert abs(two.difference_se("a", "b") - 1.2533 * 1.4826 * 1.0 / 2) < 1e-12

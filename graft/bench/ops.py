@@ -2,7 +2,7 @@
 call of the selected implementation) costs on top of that implementation, on each op's
 first quick case.
 
-Two measurements per op, each interleaved (medians of per-round differences):
+Three measurements per op, each interleaved (medians of per-round differences):
 
 * ``overhead_us``, graft's own cost: the selected implementation's function is swapped,
   for the measurement only, for a stub that returns a precomputed output, and
@@ -18,6 +18,12 @@ Two measurements per op, each interleaved (medians of per-round differences):
   ``overhead_with_value_checks_us``, on (the CPU default: checks that read tensor values,
   such as cu_seqlens or expert ids, run on every call: only those, an op's ``check_values``,
   once its signature is remembered).
+* ``overhead_cold_us``, graft's own cost after the kernel: the same stub, but each timed
+  call comes right after the real implementation ran (untimed), as on the real call, where
+  the kernel has pushed graft's code and data out of the caches (see :func:`cold_cost`):
+  several times the warm figure for the ops with many tensors, and read to a few
+  nanoseconds where the real-call delta below, bound by the kernel's noise, is read to a
+  microsecond or two;
 * ``real_overhead_us``: the real ``dispatch.call`` against the real implementation called
   directly (``graft_us``, ``direct_us``), value checks off: the end-to-end view, bound by
   the kernel's noise. The rounds of the real calls hold a few calls each (one for calls of
@@ -25,7 +31,9 @@ Two measurements per op, each interleaved (medians of per-round differences):
   selected run a call or two apart, so that the host's speed, which swings within
   milliseconds here, is the same for both sides of a difference (with 20 calls a side, half
   the noise of a 300 us call's delta was the host's speed changing between two batches),
-  and each runs after each other variant alike (see ``timing.interleaved``). Rounds are
+  and each runs after each other variant alike (see ``timing.interleaved``); before each, a
+  cheap other op runs through graft, untimed, as the op before it would in a model where
+  graft serves the ops (:func:`neighbour_call`). Rounds are
   added until the delta is known to a fraction of a microsecond, or is two standard errors
   away from the 2 us target, or the op's budget is spent.
 
@@ -141,19 +149,76 @@ def calls_per_round(fn, most: int, sync=None) -> int:
     return max(1, min(most, math.ceil(ROUND_SPAN_S / max(fastest, 1e-9))))
 
 
+NEIGHBOURS = ("fused.silu_and_mul", "fused.rms_norm")  # cheap ops a model calls between the others
+
+
+def neighbour_call(op: str, cases: dict):
+    """An untimed call of another op through graft (its public function, real), run before
+    each timed real call: in a model where graft serves the ops, the call before this one
+    went through graft too, so graft's code is warm while the op's own remembered
+    signature and tensors are not. Without it, the real calls of one op alternate with
+    direct calls that never run graft's code, and it is colder than in any model (the
+    public op's delta read about 1.5 us more for the paged decode). None where no
+    neighbour has a quick case."""
+    for other in NEIGHBOURS:
+        if other != op and other in cases and public_entry(other) is not None:
+            case = cases[other]
+            args, kwargs = case.inputs("cpu", torch.float32 if torch.float32 in case.dtypes else case.dtypes[0])
+            fn = public_entry(other)
+            return lambda *_: fn(*args, **kwargs)
+    return None
+
+
+def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float, neighbour=None) -> dict:
+    """graft's own cost where the real call pays it: the public op (``dispatch.call`` where the
+    op has none) with its implementation stubbed against the stub, each timed call right after
+    the real implementation ran untimed (and then ``neighbour``, as before the real calls),
+    so that what graft reads for this op (its remembered signatures, the tensors' metadata)
+    is as far out of the caches as the kernel leaves it. The kernel's time is outside the timed region, so this reads to a few
+    nanoseconds what the real-call delta reads to a microsecond or two: the two measure the
+    same thing but for how graft's reads change the kernel's own time (they warm the
+    tensors' metadata for it)."""
+    import graft
+
+    entry = public if public is not None else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
+    with graft.override_config(GRAFT_CHECK_VALUES="0"), stubbed(impl, output) as stub:
+        entry(*args, **kwargs)  # the first call of a signature validates in full; the next ones are remembered
+        times = interleaved_until({"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)},
+                                  "graft", "stub", 0.01e-6, budget_s, rounds=100, shuffle=True,
+                                  before=lambda name: (real(*args, **kwargs), neighbour and neighbour()))
+    return {"overhead_cold_us": times.difference("graft", "stub") * 1e6,
+            "overhead_cold_se_us": times.difference_se("graft", "stub") * 1e6,
+            "overhead_cold_rounds": len(times.samples["stub"])}
+
+
+def _real_fields(real) -> dict:
+    """A row's figures from the real-call rounds (public, direct, again)."""
+    fields = {"direct_us": real["direct"] * 1e6, "real_noise_us": real.difference("again", "direct") * 1e6,
+              "real_rounds": len(real.samples["direct"])}
+    if "public" in real:
+        # The real-call delta: the public op against the implementation it selected, both real.
+        fields.update(public_us=real["public"] * 1e6, real_call_delta_us=real.difference("public", "direct") * 1e6,
+                      real_call_delta_se_us=real.difference_se("public", "direct") * 1e6)
+    return fields
+
+
 def measure(rounds: int, inner: int, progress=print, only=None, collectives=False, sync=None,
-            stub_rounds: int = 301, stub_inner: int = 100, delta_se_us: float = 0.2, delta_budget_s: float = 0.0) -> list:
+            stub_rounds: int = 301, stub_inner: int = 100, delta_se_us: float = 0.2, delta_budget_s: float = 0.0,
+            cold_budget_s: float = 0.0, extra_budget_s: float = 0.0) -> list:
     """Per op: the real call against the implementation it selected, and graft's own cost
     (see the module doc). The real call runs batches of ``rounds`` x ``inner`` calls a
     variant, in rounds of :func:`calls_per_round` calls (``inner`` at most), repeated while
     the real-call delta's standard error is above ``delta_se_us``, its side of the target
-    undecided and the op's ``delta_budget_s`` left (0: one batch)."""
+    undecided and the op's ``delta_budget_s`` left (0: one batch); then the deltas still
+    undecided share ``extra_budget_s`` more. With ``cold_budget_s``, each op also gets
+    :func:`cold_cost` for up to that long."""
     import graft
 
     registry = graft.get_registry()
     cases = first_quick_cases()
     call = graft.dispatch.call
     rows, measured = [], []  # measured: (row, args, kwargs, output)
+    more: list = []  # the real-call rounds to carry on if the delta is undecided
     for op in sorted(registry.ops):
         if (registry.ops[op].family == "collectives") != collectives or (only and op not in only):
             continue
@@ -168,41 +233,63 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         # "again" is the direct call a second time: the spread of (again - direct) is the noise floor
         # any real-call delta below must be read against (an A/A control, measured in the same rounds).
         public = public_entry(op)
-        calls: dict = {} if public is None else {"public": lambda: public(*args, **kwargs)}
-        calls.update({"direct": lambda: direct(*args, **kwargs), "again": lambda: direct(*args, **kwargs),
-                      "graft": lambda: call(op, *args, **kwargs)})
         framework = None if collectives else framework_call(op, args, kwargs)
-        if framework is not None:
-            calls["framework"] = framework[1]
+        neighbour = None if collectives else neighbour_call(op, cases)
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            op_inner = calls_per_round(calls["direct"], inner, sync)
+            op_inner = calls_per_round(lambda: direct(*args, **kwargs), inner, sync)
             op_rounds = max(rounds * inner // op_inner, 3)  # the same number of calls a batch
+            # The real-call delta's rounds hold only its two sides and the A/A control: with
+            # fewer calls a round, the two sides run closer together and more rounds fit.
+            calls: dict = {"direct": lambda: direct(*args, **kwargs), "again": lambda: direct(*args, **kwargs)}
+            if public is not None:
+                calls["public"] = lambda: public(*args, **kwargs)
             if public is not None and delta_budget_s > 0:
                 real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, delta_budget_s, op_rounds,
-                                         inner=op_inner, sync=sync, shuffle=True,
+                                         inner=op_inner, sync=sync, shuffle=True, before=neighbour,
                                          threshold=TARGETS["real_call_delta_us"] * 1e-6)
             else:
-                real = interleaved(calls, rounds=op_rounds, inner=op_inner, sync=sync, shuffle=True)
+                real = interleaved(calls, rounds=op_rounds, inner=op_inner, sync=sync, shuffle=True,
+                                   before=neighbour)
+            # Then, for the context, one batch of dispatch.call and of the framework's own
+            # function against the direct call (and the public op, to compare within rounds).
+            context: dict = {"direct": calls["direct"], "graft": lambda: call(op, *args, **kwargs)}
+            if framework is not None:
+                context["framework"] = framework[1]
+                if public is not None:
+                    context["public"] = calls["public"]
+            beside = interleaved(context, rounds=op_rounds, inner=op_inner, sync=sync, shuffle=True,
+                                 before=neighbour)
             output = direct(*args, **kwargs)
-        real_rounds = len(real.samples["direct"])
-        progress(f"  {op:32s} real call measured ({real_rounds} rounds of {op_inner})")
+        progress(f"  {op:32s} real call measured ({len(real.samples['direct'])} rounds of {op_inner})")
         row = {"op": op, "case": case.name, "dtype": dtype_name(dtype), "backend": impl.backend,
-               "direct_us": real["direct"] * 1e6, "graft_us": real["graft"] * 1e6,
-               "real_overhead_us": real.difference("graft", "direct") * 1e6,
-               "real_noise_us": real.difference("again", "direct") * 1e6, "real_rounds": real_rounds,
-               "real_inner": op_inner}
-        if public is not None:
-            # The real-call delta: the public op against the implementation it selected, both real.
-            row["public_us"] = real["public"] * 1e6
-            row["real_call_delta_us"] = real.difference("public", "direct") * 1e6
-            row["real_call_delta_se_us"] = real.difference_se("public", "direct") * 1e6
+               "graft_us": beside["graft"] * 1e6, "real_overhead_us": beside.difference("graft", "direct") * 1e6,
+               "real_inner": op_inner, **_real_fields(real)}
+        if public is not None and delta_budget_s > 0:
+            more.append((row, calls, real, op_rounds, op_inner, neighbour))
         if framework is not None:
             # Against the function a framework would have called without graft (its own baseline).
             row["framework"] = framework[0]
-            row["framework_us"] = real["framework"] * 1e6
-            row["vs_framework_us"] = real.difference("public" if public is not None else "graft", "framework") * 1e6
+            row["framework_us"] = beside["framework"] * 1e6
+            row["vs_framework_us"] = beside.difference("public" if public is not None else "graft", "framework") * 1e6
         rows.append(row)
         measured.append((row, args, kwargs, output))
+        if not collectives and cold_budget_s > 0:  # (a collective's kernel would have to run on every rank alike)
+            row.update(cold_cost(op, impl, direct, public, args, kwargs, output, cold_budget_s, neighbour))
+    # The time left for the deltas the first rounds left undecided, shared among them.
+    target = TARGETS["real_call_delta_us"]
+    undecided = [m for m in more if abs(m[0]["real_call_delta_us"] - target) <= 3 * m[0]["real_call_delta_se_us"]
+                 and m[0]["real_call_delta_se_us"] > delta_se_us]
+    extra_end = time.perf_counter() + extra_budget_s
+    for i, (row, calls, real, op_rounds, op_inner, neighbour) in enumerate(undecided):
+        share = (extra_end - time.perf_counter()) / (len(undecided) - i)
+        if share <= 0:
+            break
+        with graft.override_config(GRAFT_CHECK_VALUES="0"):
+            real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, share, op_rounds, inner=op_inner,
+                                     sync=sync, shuffle=True, before=neighbour, threshold=target * 1e-6, start=real)
+        row.update(_real_fields(real))
+        progress(f"  {row['op']:32s} real call measured further ({row['real_rounds']} rounds in all): "
+                 f"{row['real_call_delta_us']:+.2f} +- {row['real_call_delta_se_us']:.2f} us")
     # graft's own cost, every op at once (see the module doc); the value-check mode reads
     # tensor values on every call (up to about 15 us), so it gets fewer rounds.
     for checks, key, n_rounds, n_inner in (("0", "overhead_us", stub_rounds, stub_inner),
@@ -228,7 +315,10 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
                 row[key] = own.difference(f"{row['op']} graft", f"{row['op']} stub") * 1e6
     for row, *_ in measured:
         progress(f"  {row['op']:32s} {row['backend']:7s} graft's own cost {row['overhead_us']:5.2f} us "
-                 f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us)   real call: direct "
+                 f"(value checks on: {row['overhead_with_value_checks_us']:6.2f} us"
+                 + (f"; after the kernel {row['overhead_cold_us']:5.2f} +- {row['overhead_cold_se_us']:.2f} us"
+                    if "overhead_cold_us" in row else "")
+                 + ")   real call: direct "
                  f"{row['direct_us']:8.1f} us, graft {row['graft_us']:8.1f} us ({row['real_overhead_us']:+6.1f} us)"
                  + (f", public op {row['real_call_delta_us']:+5.2f} +- {row['real_call_delta_se_us']:.2f} us"
                     if "real_call_delta_us" in row else "")

@@ -12,8 +12,10 @@ Sections (``--only`` picks some):
   and against the function a framework would have called (the op's conformance baseline); an
   A/A control (the direct call timed twice in the same rounds) gives each row its noise floor.
   After a kernel that streams memory, the interpreter's and the tensors' metadata are cold in
-  the caches, so the same entry costs more there (about 3 us for the 5-tensor attention, MoE
-  and loss ops on the development machine) than warm with a stub (graft's own cost, ~1 us);
+  the caches, so the same entry costs more there than warm: graft's own cost is also
+  measured that way (the stub timed right after the real kernel ran, untimed), to
+  nanoseconds where the real-call delta is read to a microsecond or two (it explains that
+  delta, but does not bound it: the real delta read up to twice this figure);
 * ``adam``: graft's in-place multi-tensor Adam against ``torch.optim.Adam(foreach=True)`` on 64k fp32;
 * ``collectives``: graft's all_reduce / all_gather / reduce_scatter against torch.distributed
   (2 gloo ranks);
@@ -38,7 +40,8 @@ from pathlib import Path
 
 SECTIONS = ("ops", "adam", "collectives", "deepspeed", "megatron", "torchtitan")
 DISTRIBUTED = ("collectives", "deepspeed", "megatron", "torchtitan")
-TARGETS = {"op_overhead_us": 2.0, "real_call_delta_us": 2.0, "framework_step_ratio": 1.05, "collectives_ratio": 1.10, "adam_ratio": 1.10}
+TARGETS = {"op_overhead_us": 2.0, "op_overhead_cold_us": 2.0, "real_call_delta_us": 2.0, "collective_call_delta_us": 2.0,
+           "framework_step_ratio": 1.05, "collectives_ratio": 1.10, "adam_ratio": 1.10}
 
 
 def add_arguments(parser) -> None:
@@ -72,12 +75,21 @@ def summarize(results: dict) -> dict:
     if ops:
         worst = max(ops, key=lambda r: r["overhead_us"])
         summary["op_overhead_us"] = {"worst": worst["overhead_us"], "op": worst["op"]}
+    cold = [r for r in results.get("ops", []) if "overhead_cold_us" in r]
+    if cold:
+        worst = max(cold, key=lambda r: r["overhead_cold_us"])
+        summary["op_overhead_cold_us"] = {"worst": worst["overhead_cold_us"], "op": worst["op"]}
+    # The collectives' real calls, over gloo between two processes, vary by tens to hundreds of
+    # microseconds a call: their deltas get their own line, so that they cannot hide whether
+    # the local ops', read to a few tenths of a microsecond, meet the target.
     real = [r for r in results.get("ops", []) if "real_call_delta_us" in r]
-    if real:
-        worst = max(real, key=lambda r: r["real_call_delta_us"])
-        over, unresolved = _sides(real, TARGETS["real_call_delta_us"])
-        summary["real_call_delta_us"] = {"worst": worst["real_call_delta_us"], "op": worst["op"], "over": over,
-                                         "unresolved": unresolved}
+    for key, rows in (("real_call_delta_us", [r for r in real if not r["op"].startswith("collectives.")]),
+                      ("collective_call_delta_us", [r for r in real if r["op"].startswith("collectives.")])):
+        if rows:
+            worst = max(rows, key=lambda r: r["real_call_delta_us"])
+            over, unresolved = _sides(rows, TARGETS["real_call_delta_us"])
+            summary[key] = {"worst": worst["real_call_delta_us"], "op": worst["op"], "over": over,
+                            "unresolved": unresolved}
     if "ratio" in results.get("adam", {}):
         summary["adam_ratio"] = {"worst": results["adam"]["ratio"]}
     coll = [r for r in results.get("collectives", []) if isinstance(r, dict) and "ratio" in r]
@@ -167,7 +179,8 @@ def run(args) -> int:
         # The real-call delta is read to a fraction of a microsecond (0.2 us standard error) on
         # calls of up to a few hundred: rounds are added until it is, within a budget per op.
         results["ops"] = ops.measure(rounds=15 if quick else 50, inner=20 if quick else 50, progress=progress,
-                                     only=only, delta_se_us=0.2, delta_budget_s=4.0 if quick else 15.0)
+                                     only=only, delta_se_us=0.2, delta_budget_s=4.0 if quick else 15.0,
+                                     cold_budget_s=1.0 if quick else 3.0, extra_budget_s=40.0 if quick else 120.0)
         results["custom_op"] = ops.custom_op_cost(rounds=51 if quick else 201, inner=100)
         progress(f"  custom-op wrapper, eager: through torch's dispatcher +{results['custom_op']['dispatcher_us']:.2f} us,"
                  f" as graft calls it +{results['custom_op']['graft_us']:.2f} us (over the plain function)")

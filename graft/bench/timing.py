@@ -94,7 +94,7 @@ def framework_steps(steps: dict, losses: dict, calls: dict, rounds: int, baselin
 
 def interleaved_until(variants: dict, name: str, baseline: str, target_se: float, budget_s: float, rounds: int,
                       inner: int = 1, sync: Callable | None = None, threshold: float | None = None,
-                      shuffle: bool = False) -> Timings:
+                      shuffle: bool = False, before: Callable | None = None, start: Timings | None = None) -> Timings:
     """:func:`interleaved` in batches of ``rounds`` rounds until the difference ``name`` -
     ``baseline`` is known to ``target_se`` seconds (:meth:`Timings.difference_se`) or
     ``budget_s`` seconds are spent (at least one batch): a difference of a microsecond between
@@ -102,13 +102,14 @@ def interleaved_until(variants: dict, name: str, baseline: str, target_se: float
     call a few dozen. With a ``threshold`` (seconds), rounds also stop once the difference
     is more than three standard errors away from it on either side, from the second batch on:
     the question a target asks is then answered (a verdict reads two standard errors; the
-    third, and the second batch, keep a lucky early batch from deciding it)."""
-    start = time.perf_counter()
-    samples: dict[str, list] = {n: [] for n in variants}
-    batches = 0
+    third, and the second batch, keep a lucky early batch from deciding it). ``start``, the
+    result of an earlier call on the same variants, is carried on (its rounds count)."""
+    began = time.perf_counter()
+    samples: dict[str, list] = {n: list(start.samples[n]) if start else [] for n in variants}
+    batches = len(samples[name]) // rounds
     while True:
         batch = interleaved(variants, rounds=rounds, inner=inner, warmup=0 if samples[name] else 1, sync=sync,
-                            shuffle=shuffle, seed=batches)
+                            shuffle=shuffle, seed=batches, before=before)
         batches += 1
         for n, values in batch.samples.items():
             samples[n].extend(values)
@@ -116,5 +117,5 @@ def interleaved_until(variants: dict, name: str, baseline: str, target_se: float
         se = times.difference_se(name, baseline)
         decided = (threshold is not None and batches >= 2
                    and abs(times.difference(name, baseline) - threshold) > 3 * se)
-        if se <= target_se or decided or time.perf_counter() - start >= budget_s:
+        if se <= target_se or decided or time.perf_counter() - began >= budget_s:
             return times
