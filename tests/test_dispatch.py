@@ -655,3 +655,21 @@ def test_graft_tensor_guard_holds_the_types_it_compares():
     assert sys.getrefcount(Sub) == before
     with pytest.raises(TypeError, match="argument 1 is a int, not a tensor"):
         tensor_guard.module().make(sub, 3)
+
+
+def test_collective_signatures_read_the_default_group_without_a_python_frame():
+    """The default group a remembered collective signature compares on every call is read by
+    C callables (torch's property is a Python frame), and is the property's value."""
+    import types
+
+    reader = dispatch._default_group_reader()
+    assert not isinstance(reader, types.FunctionType)
+    world = torch.distributed.distributed_c10d._world
+    assert reader() is world.default_pg
+    marker = object()
+    old = world._default_pg
+    world._default_pg = marker
+    try:
+        assert reader() is marker and world.default_pg is marker
+    finally:
+        world._default_pg = old

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                                                        progress=progress)
                 progress("  graft's own cost per collective op (dispatch.call, implementation stubbed):")
                 results["collective_ops"] = ops.measure(rounds=15 if quick else 50, inner=10, progress=progress,
-                                                        collectives=True, sync=dist.barrier)
+                                                        collectives=True, sync=dist.barrier, cold_budget_s=1.0)
             elif section == "deepspeed":
                 from graft.bench import deepspeed_step
 

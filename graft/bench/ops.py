@@ -169,23 +169,37 @@ def neighbour_call(op: str, cases: dict):
     return None
 
 
-def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float, neighbour=None) -> dict:
+def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float, neighbour=None, sync=None,
+              rounds: int = 100) -> dict:
     """graft's own cost where the real call pays it: the public op (``dispatch.call`` where the
-    op has none) with its implementation stubbed against the stub, each timed call right after
+    op has none, and for the collectives) with its implementation stubbed against the stub, each timed call right after
     the real implementation ran untimed (and then ``neighbour``, as before the real calls),
     so that what graft reads for this op (its remembered signatures, the tensors' metadata)
-    is as far out of the caches as the kernel leaves it. The kernel's time is outside the timed region, so this reads to a few
-    nanoseconds what the real-call delta reads to a microsecond or two: the two measure the
-    same thing but for how graft's reads change the kernel's own time (they warm the
-    tensors' metadata for it)."""
+    is as far out of the caches as the kernel leaves it. The kernel's time is outside the
+    timed region, so this reads to a few nanoseconds what the real-call delta reads to a
+    microsecond or two; they differ by how graft's reads change the kernel's own time.
+    Rounds are added for ``budget_s``; with ``sync`` (a collective: every rank runs the real
+    collective before each timed call, in the same order), ``rounds`` rounds, the same on
+    every rank."""
     import graft
 
-    entry = public if public is not None else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
+    # (The collectives' public functions go through their own plan cache, which holds the
+    # function it calls; dispatch.call, which the warm figure times too, takes the stub.)
+    entry = public if public is not None and sync is None else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
+    variants = {"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)}
+
+    def before(name):
+        real(*args, **kwargs)
+        if neighbour is not None:
+            neighbour()
+
     with graft.override_config(GRAFT_CHECK_VALUES="0"), stubbed(impl, output) as stub:
         entry(*args, **kwargs)  # the first call of a signature validates in full; the next ones are remembered
-        times = interleaved_until({"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)},
-                                  "graft", "stub", 0.01e-6, budget_s, rounds=100, shuffle=True,
-                                  before=lambda name: (real(*args, **kwargs), neighbour and neighbour()))
+        if sync is not None:
+            times = interleaved(variants, rounds=rounds, shuffle=True, before=before, sync=sync)
+        else:
+            times = interleaved_until(variants, "graft", "stub", 0.01e-6, budget_s, rounds=rounds, shuffle=True,
+                                      before=before)
     return {"overhead_cold_us": times.difference("graft", "stub") * 1e6,
             "overhead_cold_se_us": times.difference_se("graft", "stub") * 1e6,
             "overhead_cold_rounds": len(times.samples["stub"])}
@@ -273,8 +287,8 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
             row["vs_framework_us"] = beside.difference("public" if public is not None else "graft", "framework") * 1e6
         rows.append(row)
         measured.append((row, args, kwargs, output))
-        if not collectives and cold_budget_s > 0:  # (a collective's kernel would have to run on every rank alike)
-            row.update(cold_cost(op, impl, direct, public, args, kwargs, output, cold_budget_s, neighbour))
+        if cold_budget_s > 0:
+            row.update(cold_cost(op, impl, direct, public, args, kwargs, output, cold_budget_s, neighbour, sync))
     # The time left for the deltas the first rounds left undecided, shared among them.
     target = TARGETS["real_call_delta_us"]
     undecided = [m for m in more if abs(m[0]["real_call_delta_us"] - target) <= 3 * m[0]["real_call_delta_se_us"]

@@ -23,6 +23,10 @@ class Timings(dict):
         pairs = [a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0]
         return statistics.median(pairs) if pairs else float("inf")
 
+    def ratio_se(self, name: str, baseline: str) -> float:
+        """Standard error of :meth:`ratio`, as :meth:`difference_se` reads it (inf below 3 rounds)."""
+        return _median_se([a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0])
+
     def difference(self, name: str, baseline: str) -> float:
         """Median over rounds of ``name``'s time minus ``baseline``'s in the same round (seconds)."""
         return statistics.median(a - b for a, b in zip(self.samples[name], self.samples[baseline]))
@@ -31,12 +35,17 @@ class Timings(dict):
         """Standard error of :meth:`difference` (seconds): the per-round differences' spread,
         robustly (1.4826 x their median absolute deviation: a few rounds the machine stalled in
         do not inflate it), times the median's 1.2533 / sqrt(rounds). inf below 3 rounds."""
-        diffs = [a - b for a, b in zip(self.samples[name], self.samples[baseline])]
-        if len(diffs) < 3:
-            return math.inf
-        mid = statistics.median(diffs)
-        mad = statistics.median(abs(d - mid) for d in diffs)
-        return 1.2533 * 1.4826 * mad / math.sqrt(len(diffs))
+        return _median_se([a - b for a, b in zip(self.samples[name], self.samples[baseline])])
+
+
+def _median_se(values: list) -> float:
+    """The standard error of ``values``' median: their spread, robustly (1.4826 x their median
+    absolute deviation), times the median's 1.2533 / sqrt(n). inf below 3 values."""
+    if len(values) < 3:
+        return math.inf
+    mid = statistics.median(values)
+    mad = statistics.median(abs(v - mid) for v in values)
+    return 1.2533 * 1.4826 * mad / math.sqrt(len(values))
 
 
 def interleaved(variants: dict, rounds: int, inner: int = 1, warmup: int = 1,
@@ -82,12 +91,12 @@ def framework_steps(steps: dict, losses: dict, calls: dict, rounds: int, baselin
     """A framework's training step with graft (``steps["graft"]``) against without it
     (``steps[baseline]``), interleaved; each step appends its loss to ``losses[name]``.
     Returns ``{"<baseline>_ms", "graft_ms", "ratio"`` (graft / baseline, median of per-round
-    ratios), ``"served"`` (what changed in ``calls``, an integration counter's dict, over the
+    ratios), ``"ratio_se"`` (its standard error), ``"served"`` (what changed in ``calls``, an integration counter's dict, over the
     timed steps) and ``"max_loss_diff"}`` (the same model and data: only rounding may differ)."""
     start = dict(calls)
     times = interleaved(steps, rounds=rounds, before=before, sync=sync)
     return {f"{baseline}_ms": times[baseline] * 1e3, "graft_ms": times["graft"] * 1e3,
-            "ratio": times.ratio("graft", baseline),
+            "ratio": times.ratio("graft", baseline), "ratio_se": times.ratio_se("graft", baseline),
             "served": {k: v - start.get(k, 0) for k, v in calls.items() if v != start.get(k, 0)},
             "max_loss_diff": max(abs(a - b) for a, b in zip(losses["graft"], losses[baseline]))}
 
