@@ -81,12 +81,14 @@ def test_summary_says_which_real_call_deltas_the_noise_leaves_open():
     assert entry["met"] and verdict(entry) == "met"
 
 
-def test_collective_deltas_get_their_own_line():
+def test_collective_figures_get_their_own_lines():
     from graft.bench.overhead import summarize
 
-    rows = [{"op": "fused.rms_norm", "real_call_delta_us": 0.3, "real_call_delta_se_us": 0.05},
-            {"op": "collectives.all_reduce", "real_call_delta_us": -20.0, "real_call_delta_se_us": 60.0}]
+    rows = [{"op": "fused.rms_norm", "real_call_delta_us": 0.3, "real_call_delta_se_us": 0.05, "overhead_cold_us": 0.2},
+            {"op": "collectives.all_reduce", "real_call_delta_us": -20.0, "real_call_delta_se_us": 60.0,
+             "overhead_cold_us": 3.5}]
     summary = summarize({"ops": rows})
+    assert summary["op_overhead_cold_us"]["met"] and not summary["collective_overhead_cold_us"]["met"]
     assert summary["real_call_delta_us"]["met"] and summary["real_call_delta_us"]["op"] == "fused.rms_norm"
     collective = summary["collective_call_delta_us"]
     assert not collective["met"] and collective["unresolved"] == {"collectives.all_reduce": [-20.0, 60.0]}
@@ -145,3 +147,18 @@ def test_a_round_times_one_long_call_or_several_short_ones():
     assert 4 <= calls_per_round(lambda: spin(8), 20) <= 7  # about 50 us a round
     assert calls_per_round(lambda: None, 20) == 20  # never more than asked
     assert calls_per_round(lambda: None, 20, sync=lambda: None) == 20  # ranks: the same on each, untimed
+
+
+def test_framework_steps_are_read_with_their_standard_error():
+    from graft.bench.overhead import summarize, verdict
+
+    steps = {"deepspeed": [{"run": "zero3", "ratio": 1.20, "ratio_se": 0.10}],
+             "megatron": [{"tp": 1, "ratio": 0.98, "ratio_se": 0.01}]}
+    entry = summarize(steps)["framework_step_ratio"]
+    assert not entry["met"] and entry["unresolved"] == {"deepspeed zero3": [1.2, 0.1]}
+    assert verdict(entry) == "not resolved: within 2 standard errors of the target (deepspeed zero3 1.20x +- 0.10)"
+    steps["deepspeed"][0]["ratio_se"] = 0.02
+    entry = summarize(steps)["framework_step_ratio"]
+    assert verdict(entry) == "NOT met (deepspeed zero3 1.20x +- 0.02)"
+    steps["deepspeed"][0].update(ratio=1.01)
+    assert summarize(steps)["framework_step_ratio"]["met"]
