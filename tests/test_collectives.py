@@ -640,3 +640,34 @@ def test_agreed_signature_against_a_new_one_names_both_calls():
     assert "did not complete within 3 s" in text0, text0
     assert "rank 1 is waiting to agree on collectives.all_reduce: device cpu, x float32 (40,)" in text0, text0
     assert "rank(s) 0 did not reach this call (collectives.all_reduce: device cpu, x float32 (40,)" in text1, text1
+
+
+def test_fused_collectives_name_a_failed_communication(fresh_graft):
+    """The fused collectives go through dispatch's C entry; a communication failure inside
+    their implementation still surfaces as graft's collective error (other errors as they
+    are), as through the plans of graft.kernels.collectives.fastpath."""
+    import graft
+    from graft.bench.ops import one_rank_group, stubbed
+    from graft.errors import GraftError
+    from graft.ops import collectives as C
+
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    with one_rank_group() as grouped:
+        if not grouped:
+            pytest.skip("a process group exists in this process")
+        torch.testing.assert_close(C.gemm_reduce_scatter(a, b), a @ b)
+        impl = graft.select("collectives.gemm_reduce_scatter", a, b, None)
+        for message, raised in (("Connection closed by peer", GraftError), ("an unrelated bug", RuntimeError)):
+            def fail(*args, message=message):
+                raise RuntimeError(message)
+
+            with stubbed(impl, None):  # (restores the implementation, and what dispatch remembered, after)
+                object.__setattr__(impl, "fn", fail)
+                for _ in range(2):  # the Python entry (first call), then the C entry
+                    with pytest.raises(raised) as info:
+                        C.gemm_reduce_scatter(a, b)
+                    assert isinstance(info.value, GraftError) == (raised is GraftError)
+                    assert message in str(info.value)
+                    if raised is GraftError:
+                        assert "collectives.gemm_reduce_scatter" in str(info.value)
+        torch.testing.assert_close(C.gemm_reduce_scatter(a, b), a @ b)

@@ -185,7 +185,8 @@ def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float
 
     # (The collectives' public functions go through their own plan cache, which holds the
     # function it calls; dispatch.call, which the warm figure times too, takes the stub.)
-    entry = public if public is not None and sync is None else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
+    collective = op.startswith("collectives.")
+    entry = public if public is not None and not collective else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
     variants = {"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)}
 
     def before(name):
@@ -203,6 +204,30 @@ def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float
     return {"overhead_cold_us": times.difference("graft", "stub") * 1e6,
             "overhead_cold_se_us": times.difference_se("graft", "stub") * 1e6,
             "overhead_cold_rounds": len(times.samples["stub"])}
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank gloo default process group for this process, inside the block (True), or
+    False where torch.distributed is unavailable or a group already exists. The collectives'
+    real calls are measured here too: graft's path is the same as on many ranks (its
+    cross-rank agreement runs once per signature), and the communication is a local copy
+    whose time varies by a fraction of a microsecond, where across two gloo ranks on this
+    machine it varies by tens to hundreds."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield False
+        return
+    with tempfile.TemporaryDirectory(prefix="graft-bench-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield True
+        finally:
+            dist.destroy_process_group()
 
 
 def _real_fields(real) -> dict:
@@ -248,7 +273,7 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         # any real-call delta below must be read against (an A/A control, measured in the same rounds).
         public = public_entry(op)
         framework = None if collectives else framework_call(op, args, kwargs)
-        neighbour = None if collectives else neighbour_call(op, cases)
+        neighbour = None if sync is not None else neighbour_call(op, cases)
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
             op_inner = calls_per_round(lambda: direct(*args, **kwargs), inner, sync)
             op_rounds = max(rounds * inner // op_inner, 3)  # the same number of calls a batch

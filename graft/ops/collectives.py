@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from graft.cases import OpCase
+from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.kernels.collectives import fastpath
 from graft.kernels.collectives._common import (
@@ -291,17 +292,26 @@ def reduce_scatter(x, group=None, op: str = "sum", sizes=None):
 
 def all_gather_quantized(x, group=None, block_size: int = 128):
     """All-gather that may travel as int8 with one fp32 scale per ``block_size`` values (lossy)."""
-    return fastpath.run("collectives.all_gather_quantized", x, group, block_size)
+    try:
+        return call("collectives.all_gather_quantized", x, group, block_size)
+    except RuntimeError as exc:  # (a try costs nothing until it catches)
+        fastpath.fused_failed("collectives.all_gather_quantized", group, exc)
 
 
 def gemm_reduce_scatter(a, b, group=None):
     """``reduce_scatter(a @ b)`` over dim 0 (row-parallel linear), possibly overlapped."""
-    return fastpath.run("collectives.gemm_reduce_scatter", a, b, group)
+    try:
+        return call("collectives.gemm_reduce_scatter", a, b, group)
+    except RuntimeError as exc:  # (a try costs nothing until it catches)
+        fastpath.fused_failed("collectives.gemm_reduce_scatter", group, exc)
 
 
 def all_gather_gemm(a, b, group=None):
     """``all_gather(a) @ b`` (column-parallel linear on sequence-parallel input), possibly overlapped."""
-    return fastpath.run("collectives.all_gather_gemm", a, b, group)
+    try:
+        return call("collectives.all_gather_gemm", a, b, group)
+    except RuntimeError as exc:  # (a try costs nothing until it catches)
+        fastpath.fused_failed("collectives.all_gather_gemm", group, exc)
 
 
 # In place, for integrations that route a library's collectives (DeepSpeed's comm): the
