@@ -25,6 +25,7 @@ import sys
 import time
 
 from graft.kernels import bench
+from graft.kernels.triton._gemm_common import WARP_SPECIALIZED_TMA_ROW
 
 _T = dict
 # (benchmark case, dtype-independent candidate rows for the row that case's M falls in).
@@ -35,6 +36,8 @@ SWEEPS = (
         # the persistent TMA kernel (the current row on Hopper) against the pointer kernel's rows,
         # the measured 256x128 among them; TMA with 128x128 tiles leaves room for a 4th stage
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=True),
+        # its warp-specialised form (a producer warp group for the TMA loads, two consumer groups)
+        _T(WARP_SPECIALIZED_TMA_ROW, TMA=True),
         _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4),
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4),
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=256, GROUP_M=8, num_warps=8, num_stages=3),
@@ -66,7 +69,9 @@ SWEEPS = (
 QUICK_SWEEPS = (  # the CPU: the interpreter's rows, tiny shapes (the logic, not the speed)
     ("linear_bf16_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1),
                                  _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1,
-                                    TMA=True))),
+                                    TMA=True),
+                                 _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1,
+                                    TMA=True, WARP_SPECIALIZE=True))),
     ("fp8_block_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),)),
 )
 
@@ -121,6 +126,7 @@ def _label(row: dict | None) -> str:
         return "current"
     k = f"K{row['BLOCK_K']}" if "BLOCK_K" in row else f"Kb{row['K_BYTES']}"
     tma = " tma" if row.get("TMA") else ""
+    tma += " ws" if row.get("WARP_SPECIALIZE") else ""
     return f"{row['BLOCK_M']}x{row['BLOCK_N']}{k} w{row['num_warps']} s{row['num_stages']}{tma}"
 
 
@@ -144,11 +150,21 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
         return
     fn = graft["graft:triton"]
     runners, reference = {}, None
+    from graft.kernels.triton import gemm_linear
+
     for row in (None, *rows):
         label = _label(row)
+        failed_before = dict(gemm_linear._tma_failed)
         try:
             with tile_row(generation, m, row):
                 run, inner, mode, out = bench.prepare(fn, device, device.type == "cuda")
+            if gemm_linear._tma_failed != failed_before:
+                # The TMA kernel did not compile or launch and the pointer kernel ran in its place
+                # (logged): not this row's time. Forgotten, so that the next TMA rows are tried.
+                why = next(v for k, v in gemm_linear._tma_failed.items() if failed_before.get(k) != v)
+                gemm_linear._tma_failed.clear()
+                gemm_linear._tma_failed.update(failed_before)
+                raise RuntimeError(f"the TMA kernel failed ({why}); the pointer kernel ran in its place")
             diff = 0.0 if reference is None else bench._max_rel_diff(out, reference)
             reference = out if reference is None else reference
             runners[label] = (run, inner)

@@ -145,7 +145,7 @@ def test_aot_variants_compile_the_tma_plans():
     cfg = L.plan(4096, 4096, 4096, torch.bfloat16, "cuda", generation="hopper", sms=132)
     v = tma[0]
     assert v.descriptors == {"x_desc": (cfg["BLOCK_M"], cfg["BLOCK_K"]), "w_desc": (cfg["BLOCK_N"], cfg["BLOCK_K"]),
-                             "y_desc": (cfg["BLOCK_M"], cfg["BLOCK_N"])}
+                             "y": (cfg["BLOCK_M"], cfg["BLOCK_N"])}
     assert v.options == {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     pointer_rows = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"]) for v in L.AOT_VARIANTS
                     if v.kernel is L._linear_kernel and "sm_90" in v.targets}
@@ -160,3 +160,30 @@ def test_tma_kernel_propagates_nan_and_inf_as_the_pointer_kernel(device, three_s
     y = L.matmul(x, w.t(), b, "silu", tma=True)
     torch.testing.assert_close(y, L.matmul(x, w.t(), b, "silu", tma=False), atol=0, rtol=0, equal_nan=True)
     assert y[3].isnan().all() and y[:, 5].isneginf().sum() + y[:, 5].isnan().sum() == 40
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mnk", [(70, 56, 48), (1, 8, 8), (97, 40, 200)], ids=["ragged", "one_row", "long_k"])
+def test_warp_specialized_tma_kernel_matches_pointer_kernel(mnk, dtype, device, three_sms):
+    """The warp-specialised form (the tile sweep's candidate: a pointer store, a masked
+    epilogue) writes exactly what the pointer kernel writes, into an output of any row
+    stride, and nothing outside it."""
+    from graft.kernels.tile_sweep import tile_row
+
+    m, n, k = mnk
+    x, w, b = _operands(m, n, k, dtype, device, seed=m * n + k)
+    # the warp-specialised row with the interpreter's tile (that of the pointer plan: the same
+    # K steps in the same order, so the two agree to the last bit)
+    tile = {key: L.plan(m, n, k, dtype, device, tma=False)[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    row = {key: v for key, v in C.WARP_SPECIALIZED_TMA_ROW.items() if key != "K_BYTES"}
+    row.update(tile, TMA=True)
+    wide = torch.full((m, n + 8), float("nan"), dtype=dtype, device=device)
+    launched = []
+    real = L._launch_tma
+    with tile_row("interpreter", m, row), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(L, "_launch_tma", lambda cfg, *a: (launched.append(cfg), real(cfg, *a)))
+        y = L.matmul(x, w.t(), b, "silu", out=wide[:, :n], tma=None if m >= 2 else True)
+    assert launched and launched[0]["WARP_SPECIALIZE"] and launched[0]["num_warps"] == 4
+    pointer = L.matmul(x, w.t(), b, "silu", tma=False)
+    torch.testing.assert_close(y, pointer, atol=0, rtol=0)
+    assert wide[:, n:].isnan().all()  # past N: untouched

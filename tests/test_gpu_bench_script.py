@@ -243,6 +243,33 @@ def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
         assert entry["best"] in labels
 
 
+def test_tile_sweep_reports_a_tma_row_that_fell_back_as_an_error(tmp_path, monkeypatch):
+    """A TMA row whose kernel does not compile or launch (Triton 3.9's warp specialisation on
+    sm_90 does not) makes matmul fall back to the pointer kernel: the sweep reports the row as
+    an error instead of timing the pointer kernel under its label, and the next TMA rows are
+    tried again."""
+    from graft.kernels import tile_sweep
+    from graft.kernels.triton import gemm_linear
+
+    real = gemm_linear._launch_tma
+
+    def launch(cfg, *args):
+        if cfg.get("WARP_SPECIALIZE"):
+            raise RuntimeError("PassManager::run failed")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(gemm_linear, "_launch_tma", launch)
+    monkeypatch.setattr(gemm_linear, "_tma_failed", {})
+    ((name, rows), *_) = tile_sweep.QUICK_SWEEPS
+    monkeypatch.setattr(tile_sweep, "QUICK_SWEEPS", ((name, (*rows[1:], rows[1])),))  # a TMA row after the failing one
+    assert tile_sweep.main(["--device", "cpu", "--quick", "--rounds", "1", "--out", str(tmp_path), "--tag", "t"]) == 0
+    entry = json.loads((tmp_path / "tile-sweep-t.json").read_text())["sweeps"][name]
+    ws, tma = tile_sweep._label(rows[2]), tile_sweep._label(rows[1])
+    error = entry["candidates"][ws]["error"]
+    assert "PassManager::run failed" in error and "pointer kernel" in error
+    assert entry["candidates"][tma]["median_s"] > 0 and gemm_linear._tma_failed == {}
+
+
 def test_tile_row_replaces_only_the_row_of_that_m():
     from graft.kernels import tile_sweep
     from graft.kernels.triton import _gemm_common as common

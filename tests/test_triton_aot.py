@@ -196,7 +196,7 @@ def test_signature_types_arguments_by_naming_convention():
     assert gemm["x_ptr"] == "*bf16" and gemm["M"] == gemm["K"] == "i32" and gemm["BLOCK_K"] == "constexpr"
     tma = next(v for v in gemm_linear.AOT_VARIANTS if v.kernel is gemm_linear._linear_tma_kernel)
     sig = _aot.signature(tma)
-    assert sig["x_desc"] == sig["y_desc"] == tma.pointer.replace("*", "desc*") and sig["bias_ptr"] == tma.pointer
+    assert sig["x_desc"] == sig["y"] == tma.pointer.replace("*", "desc*") and sig["bias_ptr"] == tma.pointer
     desc = _aot.launch_arguments(tma)["w_desc"]  # a host-side descriptor of the plan's block, as launched
     assert list(desc.block_shape) == [tma.constexprs["BLOCK_N"], tma.constexprs["BLOCK_K"]] and desc.strides[-1] == 1
     attn = _aot.signature(attention_prefill.AOT_VARIANTS[0])

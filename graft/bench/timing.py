@@ -91,8 +91,9 @@ def framework_steps(steps: dict, losses: dict, calls: dict, rounds: int, baselin
     """A framework's training step with graft (``steps["graft"]``) against without it
     (``steps[baseline]``), interleaved; each step appends its loss to ``losses[name]``.
     Returns ``{"<baseline>_ms", "graft_ms", "ratio"`` (graft / baseline, median of per-round
-    ratios), ``"ratio_se"`` (its standard error), ``"served"`` (what changed in ``calls``, an integration counter's dict, over the
-    timed steps) and ``"max_loss_diff"}`` (the same model and data: only rounding may differ)."""
+    ratios), ``"ratio_se"`` (its standard error), ``"served"`` (what changed in ``calls``, an
+    integration counter's dict, over the timed steps) and ``"max_loss_diff"}`` (the same model
+    and data: only rounding may differ)."""
     start = dict(calls)
     times = interleaved(steps, rounds=rounds, before=before, sync=sync)
     return {f"{baseline}_ms": times[baseline] * 1e3, "graft_ms": times["graft"] * 1e3,

@@ -96,6 +96,12 @@ TMA_TILES = {
     "hopper": _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3),
 }
 TMA_MIN_M = 129  # the prefill bucket: at fewer rows the pointer rows (thin tiles, split-K) fill the GPU
+# The TMA kernel's warp-specialised form (gemm_linear._linear_tma_kernel, WARP_SPECIALIZE): the
+# tile Triton 3.6 specialises on sm_90 (4 warps: 3 warp groups, 168 registers, 112 KiB of shared
+# memory, no spills). Compiled and checked ahead of time, timed against TMA_TILES' row by the
+# tile sweep; not the default until a GPU measures it faster.
+WARP_SPECIALIZED_TMA_ROW = _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=3,
+                              WARP_SPECIALIZE=True)
 
 MIN_K_STEPS_PER_SPLIT = 4  # below this the prologue/epilogue of a split outweighs its loop
 MAX_SPLIT_K = 16
@@ -161,11 +167,11 @@ def base_config(generation: str, m: int, a_bytes: float, b_bytes: float | None =
         if max_m is None or m <= max_m:
             break
     own: dict = KIND_TILES.get(generation, {}).get(kind, {}) if kind is not None else {}
-    cfg = _with_block_k(own.get(max_m, row), a_bytes)
+    cfg = with_block_k(own.get(max_m, row), a_bytes)
     return fit_shared(cfg, generation, a_bytes, a_bytes if b_bytes is None else b_bytes)
 
 
-def _with_block_k(row: dict, a_bytes: float) -> dict:
+def with_block_k(row: dict, a_bytes: float) -> dict:
     """A copy of a table row with its K step in elements: BLOCK_K from K_BYTES unless it names BLOCK_K."""
     cfg = dict(row)
     k_bytes = cfg.pop("K_BYTES", None)
@@ -234,12 +240,13 @@ def tma_plan(m: int, n: int, k: int, device, a_bytes: int, *, generation: str | 
     row = TMA_TILES.get(generation)
     if not force and (row is None or m < TMA_MIN_M or a_bytes != 2):
         return None
-    cfg = _with_block_k(row if row is not None else TILES[generation][-1][1], a_bytes)
+    cfg = with_block_k(row if row is not None else TILES[generation][-1][1], a_bytes)
     cfg = fit_shared(cfg, generation, a_bytes, a_bytes, epilogue_bytes=cfg["BLOCK_M"] * cfg["BLOCK_N"] * a_bytes)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if not force and tiles < sms:
         return None
     cfg.update(TMA=True, NUM_PROGRAMS=max(1, min(sms, tiles)), SPLIT_K=1, K_PER_SPLIT=k)
+    cfg.setdefault("WARP_SPECIALIZE", False)
     return cfg
 
 

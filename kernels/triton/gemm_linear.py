@@ -88,24 +88,33 @@ def _linear_kernel(
 
 @triton.jit
 def _linear_tma_kernel(
-    x_desc, w_desc, y_desc, bias_ptr,
-    M, N, K, NUM_PROGRAMS,
+    x_desc, w_desc, y, bias_ptr,
+    M, N, K, NUM_PROGRAMS, stride_ym,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """y = act(x @ weight.T + bias), persistent: program p computes output tiles p,
-    p + NUM_PROGRAMS, ... in grouped order. x [M, K], weight [N, K] and y [M, N] are TMA
-    descriptors (blocks [BLOCK_M, BLOCK_K], [BLOCK_N, BLOCK_K], [BLOCK_M, BLOCK_N]): loads
-    past M, N or K are zero-filled by the copy engine and stores past M, N are clipped, so
-    the K loop has no masks. ``flatten`` merges the tile loop into the K loop for the software
-    pipeliner: the next tile's first loads are issued during this tile's epilogue."""
+    p + NUM_PROGRAMS, ... in grouped order. x [M, K] and weight [N, K] are TMA descriptors
+    (blocks [BLOCK_M, BLOCK_K], [BLOCK_N, BLOCK_K]): loads past M, N or K are zero-filled by
+    the copy engine, so the K loop has no masks.
+
+    Without WARP_SPECIALIZE, y [M, N] is a descriptor too (block [BLOCK_M, BLOCK_N]: stores
+    past M, N are clipped), and ``flatten`` merges the tile loop into the K loop for the
+    software pipeliner: the next tile's first loads are issued during this tile's epilogue.
+    With it, Triton splits the loop into a producer warp group issuing the TMA loads and
+    consumer warp groups running the MMAs and the epilogue (on sm_90 under Triton 3.6: 4
+    warps become 3 warp groups, 384 threads, registers moved by ``setmaxnreg``). Its pass
+    fails on a descriptor store there ("tensor descriptor block and tensor types must
+    match"), and at 8 warps it leaves the loop as it is, so this form stores through the
+    pointer ``y`` (row stride ``stride_ym``, unit column stride), masked, and runs 4 warps."""
     first = tl.program_id(0)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(first, tiles, NUM_PROGRAMS, flatten=True):
+    for tile in tl.range(first, tiles, NUM_PROGRAMS, flatten=not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
         tile_m, tile_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = tile_m * BLOCK_M
         off_n = tile_n * BLOCK_N
@@ -116,7 +125,12 @@ def _linear_tma_kernel(
             acc = dot_acc(a, b.T, acc, UPCAST, PRECISION)
         cols = off_n + tl.arange(0, BLOCK_N)
         acc = finish_tile(acc, bias_ptr, cols, N, HAS_BIAS, ACTIVATION)
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        if WARP_SPECIALIZE:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            out = y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+            tl.store(out, acc.to(y.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        else:
+            y.store([off_m, off_n], acc.to(y.dtype))
 
 
 def plan(m: int, n: int, k: int, dtype: torch.dtype, device, split_k: Optional[int] = None, tma: bool = True,
@@ -157,12 +171,13 @@ def _launch_tma(cfg: dict, a, b, bias, y, activation: str) -> None:
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     m, k = a.shape
     n = b.shape[1]
+    ws = cfg.get("WARP_SPECIALIZE", False)
     _linear_tma_kernel[(cfg["NUM_PROGRAMS"],)](
         TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk]),
         TensorDescriptor(b.t(), [n, k], [b.stride(1), 1], [bn, bk]),
-        TensorDescriptor(y, [m, n], [y.stride(0), 1], [bm, bn]),
-        bias if bias is not None else y, m, n, k, cfg["NUM_PROGRAMS"],
-        HAS_BIAS=bias is not None, ACTIVATION=activation,
+        y if ws else TensorDescriptor(y, [m, n], [y.stride(0), 1], [bm, bn]),
+        bias if bias is not None else y, m, n, k, cfg["NUM_PROGRAMS"], y.stride(0),
+        HAS_BIAS=bias is not None, ACTIVATION=activation, WARP_SPECIALIZE=ws,
         **dot_flags(a.dtype, a.device), **tile_constexprs(cfg), **launch_options(cfg),
     )  # fmt: skip
 
@@ -315,13 +330,21 @@ def _aot_variants():
                                      EVEN_K=cfg["EVEN_K"], **tile_constexprs(cfg))
                         yield variant(_linear_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
                                       targets=(target,), values=UNIT_STRIDES)
+            if tma_plans and dtype == torch.bfloat16:  # the warp-specialised form the tile sweep times
+                ws_row = _gemm_common.with_block_k(_gemm_common.WARP_SPECIALIZED_TMA_ROW, 2)
+                tma_plans.append(dict(tma_plans[0], **ws_row))
             for cfg in tma_plans:  # after the pointer plans: the first variant is the quick one
                 bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+                ws = cfg.get("WARP_SPECIALIZE", False)
+                descriptors = dict(x_desc=(bm, bk), w_desc=(bn, bk))
+                types = {"y": f"*{name}"} if ws else {}  # the warp-specialised form stores through a pointer
+                if not ws:
+                    descriptors["y"] = (bm, bn)
                 for act in ("none", "silu"):
                     flags = dict(HAS_BIAS=act != "none", ACTIVATION=act, UPCAST=False, PRECISION="ieee",
-                                 **tile_constexprs(cfg))
+                                 WARP_SPECIALIZE=ws, **tile_constexprs(cfg))
                     yield variant(_linear_tma_kernel, flags, pointer=f"*{name}", options=launch_options(cfg),
-                                  targets=(target,), descriptors=dict(x_desc=(bm, bk), w_desc=(bn, bk), y_desc=(bm, bn)))
+                                  targets=(target,), descriptors=descriptors, values=dict(stride_ym=4096), **types)
         # The fused linear cross-entropy's dW (Llama-3: vocabulary 128256, hidden 4096, chunks of
         # 2048 tokens): logits.T [V, C] (M contiguous) @ x [C, H], added to an fp32 dW.
         cfg = plan(128256, 4096, 2048, torch.bfloat16, "cuda", tma=False, generation=GENERATION[target],
