@@ -161,6 +161,9 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Not warp-specialised: with tl.range(warp_specialize=True) here Triton 3.6 compiles the
+    # same code for sm_90 (256 threads, 234 registers, no setmaxnreg; its pass splits simple
+    # matmul loops fed by tensor descriptors, see gemm_linear._linear_tma_kernel).
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_base, v_base, start_n, rows, seqlen_k, shift, qk_scale,
