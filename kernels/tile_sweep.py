@@ -1,5 +1,6 @@
 """Tile sweep: graft's Triton GEMM launchers timed on this GPU under other rows of the tile
-table (:data:`graft.kernels.triton._gemm_common.TILES`), so that a table change is a
+table (:data:`graft.kernels.triton._gemm_common.TILES`), and its prefill attention under other
+tiles (:data:`graft.kernels.triton.attention_prefill.TILES`), so that a table change is a
 measurement, not a guess::
 
     python -m graft.kernels.tile_sweep --device cuda --out benchmarks --budget-s 90
@@ -60,6 +61,14 @@ SWEEPS = (
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3),
         _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=256, GROUP_M=8, num_warps=4, num_stages=3),
     )),
+    # Prefill attention (d=128, causal, 16k tokens): 128-key tiles where they fit. Under Triton
+    # 3.6 for sm_90 they take 255 registers (the cap, no spills) and 160 KiB of shared memory at
+    # 2 stages, 224 KiB at 3; the current 64-key tile 234 registers, 128 KiB.
+    ("ragged_16k", (
+        _T(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        _T(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+        _T(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    )),
     ("w4a16_gptq_m4096_n28672_k4096", (
         _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=4),
         _T(BLOCK_M=64, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4),
@@ -73,7 +82,9 @@ QUICK_SWEEPS = (  # the CPU: the interpreter's rows, tiny shapes (the logic, not
                                  _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1,
                                     TMA=True, WARP_SPECIALIZE=True))),
     ("fp8_block_m33_n64_k96", (_T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1),)),
+    ("ragged_tiny", (_T(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1),)),
 )
+FAMILIES = ("gemm", "prefill")  # the benchmark families whose cases a sweep can name
 
 
 def _row_index(generation: str, m: int) -> int:
@@ -121,10 +132,31 @@ def tile_row(generation: str, m: int, row: dict | None):
         common._plan.cache_clear()
 
 
+@contextlib.contextmanager
+def prefill_row(generation: str, row: dict | None):
+    """Prefill attention's tiles for ``generation`` replaced by ``row`` while inside (None:
+    unchanged). Launches read the table each call (no cache)."""
+    from graft.kernels.triton import attention_prefill
+
+    if row is None:
+        yield
+        return
+    table = attention_prefill.TILES
+    had, before = generation in table, table.get(generation)
+    table[generation] = dict(row)
+    try:
+        yield
+    finally:
+        if had:
+            table[generation] = before
+        else:
+            table.pop(generation, None)
+
+
 def _label(row: dict | None) -> str:
     if row is None:
         return "current"
-    k = f"K{row['BLOCK_K']}" if "BLOCK_K" in row else f"Kb{row['K_BYTES']}"
+    k = f"K{row['BLOCK_K']}" if "BLOCK_K" in row else f"Kb{row['K_BYTES']}" if "K_BYTES" in row else ""
     tma = " tma" if row.get("TMA") else ""
     tma += " ws" if row.get("WARP_SPECIALIZE") else ""
     return f"{row['BLOCK_M']}x{row['BLOCK_N']}{k} w{row['num_warps']} s{row['num_stages']}{tma}"
@@ -136,13 +168,26 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
 
     from graft.kernels.triton._gemm_common import TILES, generation_of
 
-    cases = {c.name: c for c in bench.all_cases(["gemm"], device.type == "cpu", {"triton"})}
+    cases = {c.name: c for c in bench.all_cases(list(FAMILIES), device.type == "cpu", {"triton"})}
     case = cases[name]
-    generation = generation_of(device)
-    m = case.params["M"]
+    if case.family == "prefill":
+        from graft.kernels.triton import attention_prefill
+        from graft.platform import device_info
+
+        generation = "interpreter" if device.type != "cuda" else device_info(device).generation
+        shared_row = dict(attention_prefill.TILES.get(generation, attention_prefill.TILES["default"]))
+
+        def in_place(row):
+            return prefill_row(generation, row)
+    else:
+        generation = generation_of(device)
+        m = case.params["M"]
+        shared_row = dict(TILES[generation][_row_index(generation, m)][1])
+
+        def in_place(row):
+            return tile_row(generation, m, row)
     entry = report["sweeps"].setdefault(name, {"params": case.params, "generation": generation,
-                                               "shared_row": dict(TILES[generation][_row_index(generation, m)][1]),
-                                               "candidates": {}, "status": "running"})
+                                               "shared_row": shared_row, "candidates": {}, "status": "running"})
     graft, baselines = case.build(device, dtype)
     if "graft:triton" not in graft:
         entry.update(status="error", note="no Triton implementation serves this case here")
@@ -156,7 +201,7 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
         label = _label(row)
         failed_before = dict(gemm_linear._tma_failed)
         try:
-            with tile_row(generation, m, row):
+            with in_place(row):
                 run, inner, mode, out = bench.prepare(fn, device, device.type == "cuda")
             if gemm_linear._tma_failed != failed_before:
                 # The TMA kernel did not compile or launch and the pointer kernel ran in its place

@@ -227,9 +227,12 @@ def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
     from graft.kernels import tile_sweep
     from graft.kernels.triton import _gemm_common as common
 
-    before = copy.deepcopy((common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M))
+    from graft.kernels.triton import attention_prefill
+
+    before = copy.deepcopy((common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M,
+                            attention_prefill.TILES))
     assert tile_sweep.main(["--device", "cpu", "--quick", "--rounds", "2", "--out", str(tmp_path), "--tag", "t"]) == 0
-    assert (common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M) == before
+    assert (common.TILES, common.KIND_TILES, common.TMA_TILES, common.TMA_MIN_M, attention_prefill.TILES) == before
     report = json.loads((tmp_path / "tile-sweep-t.json").read_text())
     assert set(report["sweeps"]) == {name for name, _ in tile_sweep.QUICK_SWEEPS}
     for name, rows in tile_sweep.QUICK_SWEEPS:
@@ -237,9 +240,12 @@ def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
         assert entry["status"] == "ok", entry
         labels = {"current", *(tile_sweep._label(r) for r in rows)}
         assert labels <= set(entry["candidates"]) and any(k.startswith("baseline") for k in entry["candidates"])
+        # a GEMM row sums K in the same order; another attention tile sums keys in another
+        # order (fp32 online softmax), so a bf16 output may round the other way (2^-8)
+        tolerance = 1e-2 if name.startswith("ragged") else 1e-3
         for label in labels:
             c = entry["candidates"][label]
-            assert c["median_s"] > 0 and c["max_rel_diff_vs_current"] < 1e-3, c
+            assert c["median_s"] > 0 and c["max_rel_diff_vs_current"] < tolerance, c
         assert entry["best"] in labels
 
 
