@@ -142,12 +142,12 @@ def prefill_row(generation: str, row: dict | None):
         yield
         return
     table = attention_prefill.TILES
-    had, before = generation in table, table.get(generation)
+    before = table.get(generation)
     table[generation] = dict(row)
     try:
         yield
     finally:
-        if had:
+        if before is not None:
             table[generation] = before
         else:
             table.pop(generation, None)

@@ -187,7 +187,6 @@ def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float
     # function it calls; dispatch.call, which the warm figure times too, takes the stub.)
     collective = op.startswith("collectives.")
     entry = public if public is not None and not collective else (lambda *a, **k: graft.dispatch.call(op, *a, **k))
-    variants = {"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)}
 
     def before(name):
         real(*args, **kwargs)
@@ -195,6 +194,7 @@ def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float
             neighbour()
 
     with graft.override_config(GRAFT_CHECK_VALUES="0"), stubbed(impl, output) as stub:
+        variants = {"graft": lambda: entry(*args, **kwargs), "stub": lambda: stub(*args, **kwargs)}
         entry(*args, **kwargs)  # the first call of a signature validates in full; the next ones are remembered
         if sync is not None:
             times = interleaved(variants, rounds=rounds, shuffle=True, before=before, sync=sync)

@@ -199,8 +199,8 @@ def run(args) -> int:
         only = set(args.ops.split(",")) if args.ops else None
         # The real-call delta is read to a fraction of a microsecond (0.2 us standard error) on
         # calls of up to a few hundred: rounds are added until it is, within a budget per op.
-        budgets = dict(delta_se_us=0.2, delta_budget_s=4.0 if quick else 15.0, cold_budget_s=1.0 if quick else 3.0,
-                       extra_budget_s=40.0 if quick else 120.0)
+        budgets: dict = dict(delta_se_us=0.2, delta_budget_s=4.0 if quick else 15.0,
+                             cold_budget_s=1.0 if quick else 3.0, extra_budget_s=40.0 if quick else 120.0)
         results["ops"] = ops.measure(rounds=15 if quick else 50, inner=20 if quick else 50, progress=progress,
                                      only=only, **budgets)
         with ops.one_rank_group() as grouped:
