@@ -134,8 +134,8 @@ def tile_row(generation: str, m: int, row: dict | None):
 
 @contextlib.contextmanager
 def prefill_row(generation: str, row: dict | None):
-    """Prefill attention's tiles for ``generation`` replaced by ``row`` while inside (None:
-    unchanged). Launches read the table each call (no cache)."""
+    """Prefill attention's tile entry ``generation`` (its ``table_key``) replaced by ``row``
+    while inside (None: unchanged). Launches read the table each call (no cache)."""
     from graft.kernels.triton import attention_prefill
 
     if row is None:
@@ -166,16 +166,17 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
     """One sweep into ``report["sweeps"][name]`` (``write()`` after every candidate)."""
     import torch
 
+    from graft.kernels.triton import gemm_linear
     from graft.kernels.triton._gemm_common import TILES, generation_of
 
     cases = {c.name: c for c in bench.all_cases(list(FAMILIES), device.type == "cpu", {"triton"})}
     case = cases[name]
     if case.family == "prefill":
         from graft.kernels.triton import attention_prefill
-        from graft.platform import device_info
+        from graft.kernels.triton._autotune import table_key
 
-        generation = "interpreter" if device.type != "cuda" else device_info(device).generation
-        shared_row = dict(attention_prefill.TILES.get(generation, attention_prefill.TILES["default"]))
+        generation = table_key(attention_prefill.TILES, device)  # the entry the launches read
+        shared_row = dict(attention_prefill.TILES[generation])
 
         def in_place(row):
             return prefill_row(generation, row)
@@ -195,8 +196,6 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
         return
     fn = graft["graft:triton"]
     runners, reference = {}, None
-    from graft.kernels.triton import gemm_linear
-
     for row in (None, *rows):
         label = _label(row)
         failed_before = dict(gemm_linear._tma_failed)

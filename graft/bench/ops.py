@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from graft.bench.overhead import TARGETS
+from graft.bench.overhead import TARGETS, side
 from graft.bench.timing import interleaved, interleaved_until
 from graft.platform import dtype_name
 
@@ -161,10 +161,10 @@ def neighbour_call(op: str, cases: dict):
     public op's delta read about 1.5 us more for the paged decode). None where no
     neighbour has a quick case."""
     for other in NEIGHBOURS:
-        if other != op and other in cases and public_entry(other) is not None:
+        fn = public_entry(other) if other != op and other in cases else None
+        if fn is not None:
             case = cases[other]
             args, kwargs = case.inputs("cpu", torch.float32 if torch.float32 in case.dtypes else case.dtypes[0])
-            fn = public_entry(other)
             return lambda *_: fn(*args, **kwargs)
     return None
 
@@ -172,8 +172,8 @@ def neighbour_call(op: str, cases: dict):
 def cold_cost(op: str, impl, real, public, args, kwargs, output, budget_s: float, neighbour=None, sync=None,
               rounds: int = 100) -> dict:
     """graft's own cost where the real call pays it: the public op (``dispatch.call`` where the
-    op has none, and for the collectives) with its implementation stubbed against the stub, each timed call right after
-    the real implementation ran untimed (and then ``neighbour``, as before the real calls),
+    op has none, and for the collectives) with its implementation stubbed against the stub,
+    each timed call right after the real implementation ran untimed (and then ``neighbour``, as before the real calls),
     so that what graft reads for this op (its remembered signatures, the tensors' metadata)
     is as far out of the caches as the kernel leaves it. The kernel's time is outside the
     timed region, so this reads to a few nanoseconds what the real-call delta reads to a
@@ -258,6 +258,14 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
     call = graft.dispatch.call
     rows, measured = [], []  # measured: (row, args, kwargs, output)
     more: list = []  # the real-call rounds to carry on if the delta is undecided
+    target = TARGETS["real_call_delta_us"]
+
+    def delta_rounds(calls, op_rounds, op_inner, neighbour, target_se_us, budget_s, start=None):
+        """The public op, the direct call and the A/A control, until the delta is decided."""
+        return interleaved_until(calls, "public", "direct", target_se_us * 1e-6, budget_s, op_rounds,
+                                 inner=op_inner, sync=sync, shuffle=True, before=neighbour,
+                                 threshold=target * 1e-6, start=start)
+
     for op in sorted(registry.ops):
         if (registry.ops[op].family == "collectives") != collectives or (only and op not in only):
             continue
@@ -283,9 +291,7 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
             if public is not None:
                 calls["public"] = lambda: public(*args, **kwargs)
             if public is not None and delta_budget_s > 0:
-                real = interleaved_until(calls, "public", "direct", delta_se_us * 1e-6, delta_budget_s, op_rounds,
-                                         inner=op_inner, sync=sync, shuffle=True, before=neighbour,
-                                         threshold=TARGETS["real_call_delta_us"] * 1e-6)
+                real = delta_rounds(calls, op_rounds, op_inner, neighbour, delta_se_us, delta_budget_s)
             else:
                 real = interleaved(calls, rounds=op_rounds, inner=op_inner, sync=sync, shuffle=True,
                                    before=neighbour)
@@ -315,18 +321,17 @@ def measure(rounds: int, inner: int, progress=print, only=None, collectives=Fals
         if cold_budget_s > 0:
             row.update(cold_cost(op, impl, direct, public, args, kwargs, output, cold_budget_s, neighbour, sync))
     # The time left for the deltas the first rounds left undecided, shared among them.
-    target = TARGETS["real_call_delta_us"]
     # (Undecided as the summary reads a delta: within two standard errors of the target, however
     # small they are; the rounds below stop at three, or when this share of the time is spent.)
-    undecided = [m for m in more if abs(m[0]["real_call_delta_us"] - target) <= 2 * m[0]["real_call_delta_se_us"]]
+    undecided = [m for m in more
+                 if side(m[0]["real_call_delta_us"], m[0]["real_call_delta_se_us"], target) == "unresolved"]
     extra_end = time.perf_counter() + extra_budget_s
     for i, (row, calls, real, op_rounds, op_inner, neighbour) in enumerate(undecided):
         share = (extra_end - time.perf_counter()) / (len(undecided) - i)
         if share <= 0:
             break
         with graft.override_config(GRAFT_CHECK_VALUES="0"):
-            real = interleaved_until(calls, "public", "direct", 0.0, share, op_rounds, inner=op_inner,
-                                     sync=sync, shuffle=True, before=neighbour, threshold=target * 1e-6, start=real)
+            real = delta_rounds(calls, op_rounds, op_inner, neighbour, 0.0, share, start=real)
         row.update(_real_fields(real))
         progress(f"  {row['op']:32s} real call measured further ({row['real_rounds']} rounds in all): "
                  f"{row['real_call_delta_us']:+.2f} +- {row['real_call_delta_se_us']:.2f} us")

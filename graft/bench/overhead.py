@@ -81,18 +81,16 @@ def summarize(results: dict) -> dict:
     # sleeps in every wait while the other rank's process runs on its core, so everything
     # graft reads, its code included, is cold after a collective there (3.4-4.4 us of own
     # cost on the development machine, in the rows of 2 ranks).
-    cold = [r for r in results.get("ops", []) if "overhead_cold_us" in r]
-    for key, rows in (("op_overhead_cold_us", [r for r in cold if not r["op"].startswith("collectives.")]),
-                      ("collective_overhead_cold_us", _collective_rows(cold))):
+    cold = _local_and_collective([r for r in results.get("ops", []) if "overhead_cold_us" in r])
+    for key, rows in zip(("op_overhead_cold_us", "collective_overhead_cold_us"), cold):
         if rows:
             worst = max(rows, key=lambda r: r["overhead_cold_us"])
             summary[key] = {"worst": worst["overhead_cold_us"], "op": worst["op"]}
     # The collectives' real calls, over gloo between two processes, vary by tens to hundreds of
     # microseconds a call: their deltas get their own line, so that they cannot hide whether
     # the local ops', read to a few tenths of a microsecond, meet the target.
-    real = [r for r in results.get("ops", []) if "real_call_delta_us" in r]
-    for key, rows in (("real_call_delta_us", [r for r in real if not r["op"].startswith("collectives.")]),
-                      ("collective_call_delta_us", _collective_rows(real))):
+    real = _local_and_collective([r for r in results.get("ops", []) if "real_call_delta_us" in r])
+    for key, rows in zip(("real_call_delta_us", "collective_call_delta_us"), real):
         if rows:
             worst = max(rows, key=lambda r: r["real_call_delta_us"])
             over, unresolved = _sides(rows, TARGETS["real_call_delta_us"])
@@ -125,11 +123,20 @@ def summarize(results: dict) -> dict:
     return summary
 
 
-def _collective_rows(rows: list) -> list:
-    """The collectives' rows: those measured on one rank where there are some."""
+def _local_and_collective(rows: list) -> tuple:
+    """``(local ops' rows, collectives' rows)``, the latter those measured on one rank where
+    there are some."""
     collective = [r for r in rows if r["op"].startswith("collectives.")]
     one_rank = [r for r in collective if r.get("ranks") == 1]
-    return one_rank or collective
+    return [r for r in rows if not r["op"].startswith("collectives.")], one_rank or collective
+
+
+def side(value: float, se: float, target: float) -> str | None:
+    """"over" (``value`` above ``target`` by more than two standard errors), "unresolved"
+    (within two of it) or None (below it by more than two)."""
+    if value - 2 * se > target:
+        return "over"
+    return "unresolved" if value + 2 * se > target else None
 
 
 def _sides(rows: list, target: float, key: str = "real_call_delta_us", se_key: str = "real_call_delta_se_us") -> tuple:
@@ -137,14 +144,13 @@ def _sides(rows: list, target: float, key: str = "real_call_delta_us", se_key: s
     (the real-call delta) exceeds ``target`` by more than two standard errors, and those
     within two standard errors of it (not resolved by the run: the A/A noise of a 2-core
     machine at calls of hundreds of microseconds, of collectives across ranks, of steps)."""
-    over, unresolved = {}, {}
+    found: dict = {"over": {}, "unresolved": {}}
     for r in rows:
         delta, se = r[key], r.get(se_key, 0.0)
-        if delta - 2 * se > target:
-            over[r["op"]] = [round(delta, 2), round(se, 2)]
-        elif delta + 2 * se > target:
-            unresolved[r["op"]] = [round(delta, 2), round(se, 2)]
-    return over, unresolved
+        where = side(delta, se, target)
+        if where is not None:
+            found[where][r["op"]] = [round(delta, 2), round(se, 2)]
+    return found["over"], found["unresolved"]
 
 
 def verdict(entry: dict) -> str:

@@ -18,24 +18,30 @@ class Timings(dict):
         super().__init__(medians)
         self.samples = samples
 
+    def _ratios(self, name: str, baseline: str) -> list:
+        return [a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0]
+
+    def _differences(self, name: str, baseline: str) -> list:
+        return [a - b for a, b in zip(self.samples[name], self.samples[baseline])]
+
     def ratio(self, name: str, baseline: str) -> float:
         """Median over rounds of ``name``'s time over ``baseline``'s in the same round."""
-        pairs = [a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0]
+        pairs = self._ratios(name, baseline)
         return statistics.median(pairs) if pairs else float("inf")
 
     def ratio_se(self, name: str, baseline: str) -> float:
         """Standard error of :meth:`ratio`, as :meth:`difference_se` reads it (inf below 3 rounds)."""
-        return _median_se([a / b for a, b in zip(self.samples[name], self.samples[baseline]) if b > 0])
+        return _median_se(self._ratios(name, baseline))
 
     def difference(self, name: str, baseline: str) -> float:
         """Median over rounds of ``name``'s time minus ``baseline``'s in the same round (seconds)."""
-        return statistics.median(a - b for a, b in zip(self.samples[name], self.samples[baseline]))
+        return statistics.median(self._differences(name, baseline))
 
     def difference_se(self, name: str, baseline: str) -> float:
         """Standard error of :meth:`difference` (seconds): the per-round differences' spread,
         robustly (1.4826 x their median absolute deviation: a few rounds the machine stalled in
         do not inflate it), times the median's 1.2533 / sqrt(rounds). inf below 3 rounds."""
-        return _median_se([a - b for a, b in zip(self.samples[name], self.samples[baseline])])
+        return _median_se(self._differences(name, baseline))
 
 
 def _median_se(values: list) -> float:

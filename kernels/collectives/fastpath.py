@@ -182,9 +182,7 @@ def run(op: str, *args):
     try:
         return p.fn(*args)
     except RuntimeError as exc:
-        if _is_comm_error(exc):
-            raise collective_error(op, p.pg, exc) from exc
-        raise
+        _comm_failed(p, exc)
 
 
 def _library(p: Plan, start, async_op: bool):
@@ -212,8 +210,13 @@ def _flat(t):
 
 
 def _comm_failed(p: Plan, exc: RuntimeError):
+    _raise_failed(p.op, p.pg, exc)
+
+
+def _raise_failed(op: str, pg, exc: RuntimeError):
+    """graft's collective error for a failed communication, ``exc`` itself otherwise."""
     if _is_comm_error(exc):
-        raise collective_error(p.op, p.pg, exc) from exc
+        raise collective_error(op, pg, exc) from exc
     raise exc
 
 
@@ -275,9 +278,7 @@ def fused_failed(op: str, group, exc: RuntimeError) -> None:
     the Python entry, which does the same on every call. Through :func:`run`, whose key is a
     loop over the arguments, the public op cost about 6 us more than its implementation on
     this CPU; with a key built inline, 4 us."""
-    if _is_comm_error(exc):
-        raise collective_error(op, resolve_group(group), exc) from exc
-    raise exc
+    _raise_failed(op, resolve_group(group), exc)
 
 
 def _call(p: Plan, args: tuple):

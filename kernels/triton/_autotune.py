@@ -12,10 +12,15 @@ import torch
 from graft.platform import device_info
 
 
-def tile_config(table: dict, device: torch.device | str) -> dict:
+def table_key(table: dict, device: torch.device | str) -> str:
+    """The entry of ``table`` that serves ``device``: its generation's (the CPU: the
+    interpreter's), else ``"default"``."""
     if "default" not in table:
         raise KeyError("a tile-config table needs a 'default' entry")
     device = torch.device(device)
-    if device.type != "cuda":
-        return dict(table.get("interpreter", table["default"]))
-    return dict(table.get(device_info(device).generation, table["default"]))
+    key = "interpreter" if device.type != "cuda" else device_info(device).generation
+    return key if key in table else "default"
+
+
+def tile_config(table: dict, device: torch.device | str) -> dict:
+    return dict(table[table_key(table, device)])
