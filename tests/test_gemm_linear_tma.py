@@ -1,6 +1,7 @@
 """gemm.linear's persistent TMA kernel (Hopper at prefill M): exact against the pointer kernel
 and the reference (interpreted here: Triton's interpreter runs tensor descriptors), which
 layouts it takes, which plans pick it, and the fallback when it cannot be launched."""
+import contextlib
 import logging
 import math
 
@@ -162,28 +163,46 @@ def test_tma_kernel_propagates_nan_and_inf_as_the_pointer_kernel(device, three_s
     assert y[3].isnan().all() and y[:, 5].isneginf().sum() + y[:, 5].isnan().sum() == 40
 
 
+@contextlib.contextmanager
+def _warp_specialized(m, n, k, dtype, device):
+    """gemm.linear's TMA row replaced by the warp-specialised one, with the interpreter's tile
+    (that of the pointer plan: the same K steps in the same order, so the two agree to the
+    last bit); yields the configurations the TMA kernel was launched with."""
+    from graft.kernels.tile_sweep import tile_row
+
+    tile = {key: L.plan(m, n, k, dtype, device, tma=False)[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    row = {key: v for key, v in C.WARP_SPECIALIZED_TMA_ROW.items() if key != "K_BYTES"}
+    row.update(tile, TMA=True)
+    launched: list = []
+    real = L._launch_tma
+    with tile_row("interpreter", m, row), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(L, "_launch_tma", lambda cfg, *a: (launched.append(cfg), real(cfg, *a)))
+        yield launched
+    assert launched and all(cfg["WARP_SPECIALIZE"] and cfg["num_warps"] == 4 for cfg in launched)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mnk", [(70, 56, 48), (1, 8, 8), (97, 40, 200)], ids=["ragged", "one_row", "long_k"])
 def test_warp_specialized_tma_kernel_matches_pointer_kernel(mnk, dtype, device, three_sms):
     """The warp-specialised form (the tile sweep's candidate: a pointer store, a masked
     epilogue) writes exactly what the pointer kernel writes, into an output of any row
     stride, and nothing outside it."""
-    from graft.kernels.tile_sweep import tile_row
-
     m, n, k = mnk
     x, w, b = _operands(m, n, k, dtype, device, seed=m * n + k)
-    # the warp-specialised row with the interpreter's tile (that of the pointer plan: the same
-    # K steps in the same order, so the two agree to the last bit)
-    tile = {key: L.plan(m, n, k, dtype, device, tma=False)[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    row = {key: v for key, v in C.WARP_SPECIALIZED_TMA_ROW.items() if key != "K_BYTES"}
-    row.update(tile, TMA=True)
     wide = torch.full((m, n + 8), float("nan"), dtype=dtype, device=device)
-    launched = []
-    real = L._launch_tma
-    with tile_row("interpreter", m, row), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(L, "_launch_tma", lambda cfg, *a: (launched.append(cfg), real(cfg, *a)))
+    with _warp_specialized(m, n, k, dtype, device):
         y = L.matmul(x, w.t(), b, "silu", out=wide[:, :n], tma=None if m >= 2 else True)
-    assert launched and launched[0]["WARP_SPECIALIZE"] and launched[0]["num_warps"] == 4
     pointer = L.matmul(x, w.t(), b, "silu", tma=False)
     torch.testing.assert_close(y, pointer, atol=0, rtol=0)
     assert wide[:, n:].isnan().all()  # past N: untouched
+
+
+def test_warp_specialized_tma_kernel_propagates_nan_and_inf(device, three_sms):
+    """Hostile values through the warp-specialised form (a K read past its end too): NaN and
+    inf come out where the pointer kernel puts them."""
+    x, w, b = _operands(40, 24, 45, torch.float16, device, k_storage=48)
+    x[3, 7], x[11, 0], b[5] = float("nan"), float("inf"), float("-inf")
+    with _warp_specialized(40, 24, 45, torch.float16, device):
+        y = L.matmul(x, w.t(), b, "silu", tma=True)
+    torch.testing.assert_close(y, L.matmul(x, w.t(), b, "silu", tma=False), atol=0, rtol=0, equal_nan=True)
+    assert y[3].isnan().all() and y[:, 5].isneginf().sum() + y[:, 5].isnan().sum() == 40
