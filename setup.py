@@ -1,9 +1,8 @@
 """Package list for setuptools (everything else lives in pyproject.toml).
 
-The design's top-level folders (``adapters/``, ``kernels/``, ``patches/``,
-``conformance/``) are linked into the package as ``graft/adapters`` and so on, so the
-source tree *is* the ``graft`` package: an editable install, mypy, IDEs and structure
-tools all resolve ``graft.kernels.triton._common`` to a real file under ``graft/``.
+Every folder of the ``graft`` package is a real folder under ``graft/`` (the runtime, and
+the tools in ``graft/tools/``), so an editable install, mypy, IDEs and import-graph tools
+resolve ``graft.kernels.triton._common`` to a real file.
 """
 import os
 
@@ -11,8 +10,7 @@ from setuptools import Extension, setup
 
 
 def find_packages(root="graft"):
-    # followlinks: the top-level folders are reached through graft/<folder> links.
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         if "__init__.py" in filenames:
             yield dirpath.replace(os.sep, ".")

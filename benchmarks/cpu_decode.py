@@ -76,7 +76,7 @@ def _vllm_call(query, keys, values, slots, table, seq_lens, num_blocks, block_si
 
 def measure(seqs, context, heads, kv_heads, head_dim, block_size, dtype, rounds, inner) -> dict:
     from graft.adapters.vllm.attention import split_kv_cache
-    from graft.bench.timing import interleaved
+    from graft.tools.bench.timing import interleaved
     from graft.ops import attention
 
     gen = torch.Generator().manual_seed(context)

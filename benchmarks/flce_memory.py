@@ -107,7 +107,7 @@ def main_megatron(a, device, dtype):
     import torch.distributed as dist
 
     from graft.adapters.megatron import stats
-    from graft.bench.megatron_step import model_parallel
+    from graft.tools.bench.megatron_step import model_parallel
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -135,7 +135,7 @@ while :; do
     # In the background with the signal forwarded: timeout(1) runs the benchmark in its own process
     # group, so a SIGTERM to this script's group (a cancelled CI job) would otherwise miss it.
     # shellcheck disable=SC2086
-    timeout -k 10 "$LIMIT" "$PY" -m graft.kernels.bench --device "$DEVICE" --budget-s "$BUDGET" \
+    timeout -k 10 "$LIMIT" "$PY" -m graft.tools.bench.kernels --device "$DEVICE" --budget-s "$BUDGET" \
         --out "${BENCH_OUT:-benchmarks}" $RESUME ${BENCH_ARGS:-} &
     bench=$!
     while :; do

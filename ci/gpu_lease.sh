@@ -61,7 +61,7 @@ fi
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" timeout 90 "$PY" - "$OUT_DIR/env.json" "$DEVICE" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys
 import torch
-from graft.kernels.bench import environment
+from graft.tools.bench.kernels import environment
 out, device = sys.argv[1], torch.device(sys.argv[2])
 env = environment(device)
 if device.type == "cuda":
@@ -108,7 +108,7 @@ fi
 SWEEP_S=$(( TOTAL_S * 14 / 100 ))
 say "== 2b. tile sweep (${SWEEP_S}s)"
 if [ "$DEVICE" = cpu ]; then sweep_args=(--quick --rounds 2 --tag cpu-lease); else sweep_args=(); fi
-(cd / && timeout -k 5 "$SWEEP_S" "$PY" -m graft.kernels.tile_sweep \
+(cd / && timeout -k 5 "$SWEEP_S" "$PY" -m graft.tools.bench.tile_sweep \
     --device "$DEVICE" --out "$OUT_DIR" --budget-s $((SWEEP_S - 15)) "${sweep_args[@]}") 2>&1 | tee -a "$LOG"
 phase_status+=("tile sweep: exit ${PIPESTATUS[0]}")
 

@@ -1,5 +1,5 @@
 import sys
 
-from graft.cli import main
+from graft.tools.cli import main
 
 sys.exit(main())

@@ -27,7 +27,7 @@ class OpCase:
     normalize: Callable | None = None
     # FLOPs or bytes moved for one call, for throughput columns: (args, kwargs) -> float.
     flops: Callable | None = None
-    # Optional numerics overrides for this case (see graft.conformance.tolerances): a float for
+    # Optional numerics overrides for this case (see graft.tools.conformance.tolerances): a float for
     # every dtype or a {dtype: float} dict. atol is relative to the output's RMS, rtol to each element.
     atol: float | dict | None = None
     rtol: float | dict | None = None

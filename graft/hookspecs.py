@@ -74,21 +74,21 @@ def graft_tuning_tables() -> list:
 
 @hookspec
 def graft_conformance_cases(registry) -> list:
-    """Return extra conformance cases (see ``graft.conformance``) for ops this adapter serves."""
+    """Return extra conformance cases (see ``graft.tools.conformance``) for ops this adapter serves."""
 
 
 @hookspec
 def graft_conformance_baselines() -> list:
-    """Return :class:`graft.conformance.baselines.Baseline` objects: a framework's own code
+    """Return :class:`graft.baselines.Baseline` objects: a framework's own code
     for an op, which conformance times and checks graft's implementations against."""
 
 
 @hookspec
 def graft_patch_templates() -> list:
-    """Return upstream-contribution patch templates (see ``graft.patches``)."""
+    """Return upstream-contribution patch templates (see ``graft.tools.patches``)."""
 
 
 @hookspec
 def graft_upstream_projects() -> list:
-    """Return :class:`graft.patches.projects.Project` objects: how to recognise an upstream
+    """Return :class:`graft.tools.patches.projects.Project` objects: how to recognise an upstream
     source tree and its version, and the linters its contributions must pass."""

@@ -393,7 +393,10 @@ class FrameworkPlugin:
     (``graft.adapters.<framework>``), so adding a framework adds a folder, not edits elsewhere:
 
     * ``integration.py``: ``integration()`` -> :class:`FrameworkIntegration` (switch, version gate);
-    * ``patch.py`` (optional): ``templates()`` and ``PROJECT`` for ``graft patches``;
+    * ``upstream.py`` (optional; or the module named by ``upstream=``): ``templates()`` and
+      ``PROJECT`` for ``graft patches``. Only that tool calls these hooks; graft's own
+      templates are tool content and live in ``graft.tools.patches.upstream.<framework>``,
+      outside the runtime package;
     * ``baselines.py`` (optional): ``baselines()``, the framework's own code for conformance,
       and ``implementations()``, the same code as implementations of backend ``<framework>``
       (see :mod:`graft.framework_backend`), which compete with graft's in selection.
@@ -401,15 +404,21 @@ class FrameworkPlugin:
     The folder's ``adapter.py`` holds one instance, named by the ``graft.adapters`` entry point.
     """
 
-    def __init__(self, package: str, description: str):
+    def __init__(self, package: str, description: str, upstream: str | None = None):
         self.package = package
         self.description = description
+        self.upstream = upstream or f"{package}.upstream"
 
     def _module(self, name: str):
+        return self._import(f"{self.package}.{name}")
+
+    @staticmethod
+    def _import(full: str | None):
         import importlib
 
-        full = f"{self.package}.{name}"
-        return importlib.import_module(full) if importlib.util.find_spec(full) is not None else None
+        if full is None or importlib.util.find_spec(full) is None:
+            return None
+        return importlib.import_module(full)
 
     @hookimpl
     def graft_adapter_info(self):
@@ -421,13 +430,13 @@ class FrameworkPlugin:
 
     @hookimpl
     def graft_patch_templates(self):
-        patch = self._module("patch")
-        return patch.templates() if patch is not None else []
+        upstream = self._import(self.upstream)
+        return upstream.templates() if upstream is not None else []
 
     @hookimpl
     def graft_upstream_projects(self):
-        patch = self._module("patch")
-        return [patch.PROJECT] if patch is not None else []
+        upstream = self._import(self.upstream)
+        return [upstream.PROJECT] if upstream is not None else []
 
     @hookimpl
     def graft_conformance_baselines(self):

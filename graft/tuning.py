@@ -1,6 +1,6 @@
 """Tuning tables: which backend was measured fastest, per device, op, dtype and shape bucket.
 
-``graft tune`` (:mod:`graft.tune`) measures every implementation of an op that can serve a
+``graft tune`` (:mod:`graft.tools.tune`) measures every implementation of an op that can serve a
 shape on this device, the framework's own included (:mod:`graft.framework_backend`), and
 writes the winner of each shape bucket to a table. Dispatch reads the tables on its cold
 path only (when it builds a plan, and per argument signature before remembering it): a

@@ -11,7 +11,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from graft.bench import megatron_step
+from graft.tools.bench import megatron_step
 
 
 def main():

@@ -30,7 +30,7 @@ def megatron(steps: int = 4) -> None:
     import torch
     import torch.distributed as dist
 
-    from graft.bench import megatron_step
+    from graft.tools.bench import megatron_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -351,7 +351,7 @@ def case_vllm_start_up_reports_every_layer_served_and_left():
 
 
 def case_graft_info_says_what_the_vllm_integration_leaves_to_vllm():
-    from graft import info
+    from graft.tools import info
 
     _clean()
     text = info.render_text(info.collect())

@@ -5,6 +5,7 @@ vendor would ship them."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -50,9 +51,9 @@ def integration():
                                 activate=lambda: ACTIVATED.append(True) or True,
                                 description="toy framework")
 ''',
-    "toyfw/patch.py": '''
-from graft.patches.projects import Project
-from graft.patches.template import CreateFile, PatchTemplate
+    "toyfw/upstream.py": '''
+from graft.tools.patches.projects import Project
+from graft.tools.patches.template import CreateFile, PatchTemplate
 
 PROJECT = Project(framework="toyfw", marker="toyfw", detect_version=lambda root: "1.0.0",
                   title_tag="[toy]", dco=False, packages=())
@@ -65,7 +66,7 @@ def templates():
 ''',
     "toyfw/baselines.py": '''
 import torch
-from graft.conformance.baselines import Baseline, adapt_same_args
+from graft.baselines import Baseline, adapt_same_args
 
 
 def baselines():
@@ -102,10 +103,10 @@ def register(registry):
 
 PROBE = """
 import json, torch, graft
-from graft.conformance.baselines import baselines_for
-from graft.info import collect
-from graft.patches.generate import available_templates
-from graft.patches.projects import project
+from graft.baselines import baselines_for
+from graft.tools.info import collect
+from graft.tools.patches.generate import available_templates
+from graft.tools.patches.projects import project
 
 report = collect(ops=["fused.silu_and_mul"])
 x = torch.randn(3, 8)
@@ -149,12 +150,16 @@ def test_new_framework_and_backend_are_found_through_hooks_alone(toy_site):
 
 def test_architecture_names_only_files_that_exist():
     text = (ROOT / "ARCHITECTURE.md").read_text()
-    for path in ("graft/dispatch.py", "graft/selection.py", "graft/priorities.py", "graft/config.py",
-                 "graft/custom_ops.py", "kernels/torch/plugin.py", "kernels/triton/plugin.py",
-                 "kernels/hip/plugin.py", "kernels/collectives/plugin.py", "adapters/vllm/integration.py",
-                 "adapters/vllm/patch.py", "adapters/vllm/baselines.py", "ci/setup.sh"):
+    for path in re.findall(r"`((?:graft|ci|tests)/[A-Za-z0-9_./]+\.(?:py|sh|c|cpp|json))`", text):
+        assert (ROOT / path).exists(), path
+    for path in ("graft/dispatch.py", "graft/selection.py", "graft/config.py",
+                 "graft/custom_ops.py", "graft/kernels/torch/plugin.py", "graft/kernels/triton/plugin.py",
+                 "graft/kernels/hip/plugin.py", "graft/kernels/collectives/plugin.py",
+                 "graft/adapters/vllm/integration.py", "graft/tools/patches/upstream/vllm.py",
+                 "graft/adapters/vllm/baselines.py", "ci/setup.sh"):
         assert (ROOT / path).exists(), path
     for framework in ("vllm", "deepspeed", "megatron"):
-        for piece in ("adapter.py", "integration.py", "patch.py"):
-            assert (ROOT / "adapters" / framework / piece).exists(), (framework, piece)
-    assert "kernels/<backend>/<family>_<op>.py" in text
+        for piece in ("adapter.py", "integration.py"):
+            assert (ROOT / "graft" / "adapters" / framework / piece).exists(), (framework, piece)
+        assert (ROOT / "graft" / "tools" / "patches" / "upstream" / f"{framework}.py").exists(), framework
+    assert "graft/kernels/<backend>/<family>_<op>.py" in text

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("fresh_graft")
 
 
 def _run(tmp_path, *extra):
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     return bench.main(["--device", "cpu", "--quick", "--rounds", "1", "--out", str(tmp_path), "--tag", "t", *extra])
 
@@ -22,7 +22,7 @@ def _report(tmp_path):
 
 
 def test_quick_run_covers_every_family(tmp_path):
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     before = os.environ.get("GRAFT_CHECK_VALUES")
     assert _run(tmp_path, "--backends", "torch") == 0
@@ -53,7 +53,7 @@ def test_triton_kernels_are_what_gets_timed(tmp_path):
 
 
 def test_failures_and_budget_are_recorded(tmp_path, monkeypatch):
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     def broken(quick, backends):
         cases = bench._fused_cases(quick, backends)[:2]
@@ -71,7 +71,7 @@ def test_failures_and_budget_are_recorded(tmp_path, monkeypatch):
 
 def test_bad_arguments():
     from graft.errors import GraftInputError
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     with pytest.raises(GraftInputError, match="unknown families"):
         bench.main(["--device", "cpu", "--families", "gemm,attn"])

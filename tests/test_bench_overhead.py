@@ -2,7 +2,7 @@
 and writes the JSON the full run writes; bad section names are usage errors."""
 import json
 
-from graft.cli import main
+from graft.tools.cli import main
 
 
 def test_smallest_slice_writes_its_json(fresh_graft, tmp_path, capsys, monkeypatch):
@@ -54,7 +54,7 @@ def test_unknown_section_is_a_usage_error(fresh_graft, capsys):
 
 
 def test_summary_flags_what_misses_its_target():
-    from graft.bench.overhead import summarize
+    from graft.tools.bench.overhead import summarize
 
     summary = summarize({"ops": [{"op": "a", "overhead_us": 1.0}, {"op": "b", "overhead_us": 3.5}],
                          "deepspeed": [{"run": "zero2", "ratio": 1.01}],
@@ -66,7 +66,7 @@ def test_summary_flags_what_misses_its_target():
 
 
 def test_summary_says_which_real_call_deltas_the_noise_leaves_open():
-    from graft.bench.overhead import summarize, verdict
+    from graft.tools.bench.overhead import summarize, verdict
 
     rows = [{"op": "quiet", "real_call_delta_us": 0.4, "real_call_delta_se_us": 0.1},
             {"op": "noisy", "real_call_delta_us": 1.5, "real_call_delta_se_us": 0.5},
@@ -82,7 +82,7 @@ def test_summary_says_which_real_call_deltas_the_noise_leaves_open():
 
 
 def test_collective_figures_get_their_own_lines():
-    from graft.bench.overhead import summarize
+    from graft.tools.bench.overhead import summarize
 
     rows = [{"op": "fused.rms_norm", "real_call_delta_us": 0.3, "real_call_delta_se_us": 0.05, "overhead_cold_us": 0.2},
             {"op": "collectives.all_reduce", "real_call_delta_us": -20.0, "real_call_delta_se_us": 60.0,
@@ -99,7 +99,7 @@ def test_collective_figures_get_their_own_lines():
 
 
 def test_summary_counts_torchtitan_steps():
-    from graft.bench.overhead import summarize
+    from graft.tools.bench.overhead import summarize
 
     summary = summarize({"megatron": [{"tp": 1, "ratio": 1.01}], "torchtitan": [{"tp": 2, "ratio": 1.07}]})
     assert summary["framework_step_ratio"]["step"] == "torchtitan TP2" and not summary["framework_step_ratio"]["met"]
@@ -111,7 +111,7 @@ def test_rounds_are_added_until_the_difference_is_known():
     import itertools
     import time
 
-    from graft.bench.timing import Timings, interleaved_until
+    from graft.tools.bench.timing import Timings, interleaved_until
 
     def spin(us):
         end = time.perf_counter() + us * 1e-6
@@ -140,7 +140,7 @@ def test_rounds_are_added_until_the_difference_is_known():
 def test_a_round_times_one_long_call_or_several_short_ones():
     import time
 
-    from graft.bench.ops import calls_per_round
+    from graft.tools.bench.ops import calls_per_round
 
     def spin(us):
         end = time.perf_counter() + us * 1e-6
@@ -154,7 +154,7 @@ def test_a_round_times_one_long_call_or_several_short_ones():
 
 
 def test_framework_steps_are_read_with_their_standard_error():
-    from graft.bench.overhead import summarize, verdict
+    from graft.tools.bench.overhead import summarize, verdict
 
     steps = {"deepspeed": [{"run": "zero3", "ratio": 1.20, "ratio_se": 0.10}],
              "megatron": [{"tp": 1, "ratio": 0.98, "ratio_se": 0.01}]}

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from graft.cli import main  # noqa: E402
+from graft.tools.cli import main  # noqa: E402
 
 
 @pytest.mark.slow

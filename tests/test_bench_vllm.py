@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from graft.bench import vllm as bench
-from graft.bench.vllm_engine import WORKLOADS, prompts
+from graft.tools.bench import vllm as bench
+from graft.tools.bench.vllm_engine import WORKLOADS, prompts
 from graft.errors import GraftConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_workloads_are_the_issues_shapes():
     (["--tuning-table", "/nonexistent/table.json"], "cannot read tuning table '/nonexistent/table.json'"),
 ])
 def test_argument_errors_name_the_bad_value(argv, message, monkeypatch):
-    from graft.cli import build_parser
+    from graft.tools.cli import build_parser
 
     monkeypatch.setattr(bench, "check_vllm_runs", lambda: None)
     args = build_parser("bench").parse_args(["bench", "vllm", *argv])
@@ -106,14 +106,14 @@ def test_argument_errors_name_the_bad_value(argv, message, monkeypatch):
     (["--variants", "attention"], ["attention"]),
 ])
 def test_default_variants_run_without_a_table(argv, want):
-    from graft.cli import build_parser
+    from graft.tools.cli import build_parser
 
     args = build_parser("bench").parse_args(["bench", "vllm", "--quick", *argv])
     assert bench.chosen_variants(args) == (want, None)
 
 
 def test_a_table_adds_the_tuned_variants(tmp_path):
-    from graft.cli import build_parser
+    from graft.tools.cli import build_parser
     from graft.tuning import FORMAT
 
     table = tmp_path / "t.json"

@@ -647,7 +647,7 @@ def test_fused_collectives_name_a_failed_communication(fresh_graft):
     their implementation still surfaces as graft's collective error (other errors as they
     are), as through the plans of graft.kernels.collectives.fastpath."""
     import graft
-    from graft.bench.ops import one_rank_group, stubbed
+    from graft.tools.bench.ops import one_rank_group, stubbed
     from graft.errors import GraftError
     from graft.ops import collectives as C
 

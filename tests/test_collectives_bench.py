@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 @pytest.mark.timeout(150)
 def test_bench_tiny_run_columns_and_bus_factor(capsys):
-    from graft.kernels.collectives import bench
+    from graft.tools.bench import collectives_sweep as bench
 
     argv = ["--ranks", "2", "--backend", "gloo", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--factor", "4",
             "--iters", "2", "--warmup", "1", "--timeout", "60",
@@ -37,7 +37,7 @@ def test_bench_tiny_run_columns_and_bus_factor(capsys):
 
 
 def test_bench_sizes_and_arguments():
-    from graft.kernels.collectives import bench
+    from graft.tools.bench import collectives_sweep as bench
 
     assert bench.sizes(8, 100, 2) == [8, 16, 32, 64]
     assert bench.parse_bytes("512MiB") == 512 << 20 and bench.parse_bytes("3k") == 3072
@@ -47,7 +47,7 @@ def test_bench_sizes_and_arguments():
 
 @pytest.mark.timeout(150)
 def test_overhead_function_reports_ratios_for_each_collective():
-    from graft.kernels.collectives import bench
+    from graft.tools.bench import collectives_sweep as bench
 
     res = bench.overhead(world_size=2, quick=True, numel=2000, timeout=60)
     assert res["world_size"] == 2 and res["numel"] == 2000 and res["backend"] == "gloo"

@@ -11,10 +11,10 @@ import torch
 
 from graft import plugins
 from graft.cases import OpCase
-from graft.conformance import report as report_mod
-from graft.conformance.compare import compare
-from graft.conformance.runner import Options, Runner
-from graft.conformance.tolerances import accumulation_growth, tolerance_for
+from graft.tools.conformance import report as report_mod
+from graft.tools.conformance.compare import compare
+from graft.tools.conformance.runner import Options, Runner
+from graft.tools.conformance.tolerances import accumulation_growth, tolerance_for
 from graft.hookspecs import hookimpl
 from graft.plugins import PluginHost
 from graft.registry import Implementation, OpSpec, reference_impl
@@ -198,7 +198,7 @@ def test_runner_filters_and_skips_multi_process_families_explicitly(tiny_host):
     assert {i.backend for _, i in report.impl_rows()} == {"good"}
     coll = run_tiny(tiny_host, ops=(), families=("collectives",))
     (case,) = coll.cases
-    assert case.status == "skipped" and "python -m graft.kernels.collectives.bench" in case.reason
+    assert case.status == "skipped" and "python -m graft.tools.bench.collectives_sweep" in case.reason
     assert any("needs multi-process" in n for n in coll.notes)
     assert coll.exit_code == 0 and coll.counts()["skipped"] == 1
 
@@ -249,7 +249,7 @@ def test_svg_chart_handles_slower_and_faster_points():
 
 
 def test_cli_exit_codes(tiny_host, tmp_path, capsys):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     out = str(tmp_path / "r")
     assert main(["conformance", "--op", OP, "--out", out, "--no-timing", "--quiet"]) == 1
@@ -267,7 +267,7 @@ def test_cli_exit_codes(tiny_host, tmp_path, capsys):
 
 
 def test_cli_usage_errors_found_before_the_run(tiny_host, tmp_path, capsys):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     a_file = tmp_path / "report.txt"
     a_file.write_text("not a directory")
@@ -293,7 +293,7 @@ def test_cli_usage_errors_found_before_the_run(tiny_host, tmp_path, capsys):
 
 def test_pytest_plugin_runs_the_cases_as_tests(tiny_host, pytester, request):
     pytester.makepyfile(test_other="def test_unrelated():\n    pass\n")
-    extra = [] if request.config.pluginmanager.has_plugin("graft-conformance") else ["-p", "graft.conformance.pytest_plugin"]
+    extra = [] if request.config.pluginmanager.has_plugin("graft-conformance") else ["-p", "graft.tools.conformance.pytest_plugin"]
     # without the flag nothing is collected from graft
     plain = pytester.runpytest_inprocess(*extra)
     plain.assert_outcomes(passed=1)
@@ -338,7 +338,7 @@ def test_importing_graft_ops_does_not_import_triton_or_dynamo():
     import subprocess
     import sys
 
-    code = ("import sys, graft, graft.ops.attention, graft.ops.gemm, graft.ops.moe, graft.ops.fused, graft.cli; "
+    code = ("import sys, graft, graft.ops.attention, graft.ops.gemm, graft.ops.moe, graft.ops.fused, graft.tools.cli; "
             "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -534,7 +534,8 @@ def test_without_the_c_entries_the_python_entries_serve():
 import sys
 sys.modules["graft._fastcall"] = None  # as if it had not been built: importing it fails
 import torch, graft
-from graft import dispatch, info
+from graft import dispatch
+from graft.tools import info
 from graft.ops import fused
 assert dispatch._fastcall is None and dispatch.call is dispatch._python_call
 x, w = torch.randn(3, 8), torch.randn(8)

@@ -151,8 +151,8 @@ def _outcome(run, reference, case, args, kwargs, nonfinite_input=False):
     """('error' | 'match' | 'mismatch' | 'exception', detail)."""
     import torch
 
-    from graft.conformance.compare import compare
-    from graft.conformance.tolerances import tolerance_for
+    from graft.tools.conformance.compare import compare
+    from graft.tools.conformance.tolerances import tolerance_for
     from graft.errors import GraftError
 
     try:
@@ -202,7 +202,7 @@ def _child(op: str) -> None:
 
     import graft
     from graft.config import op_env_var
-    from graft.conformance.cases import all_cases
+    from graft.tools.conformance.cases import all_cases
     from graft.plugins import get_host
 
     host = get_host()

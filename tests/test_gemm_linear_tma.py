@@ -168,7 +168,7 @@ def _warp_specialized(m, n, k, dtype, device):
     """gemm.linear's TMA row replaced by the warp-specialised one, with the interpreter's tile
     (that of the pointer plan: the same K steps in the same order, so the two agree to the
     last bit); yields the configurations the TMA kernel was launched with."""
-    from graft.kernels.tile_sweep import tile_row
+    from graft.tools.bench.tile_sweep import tile_row
 
     tile = {key: L.plan(m, n, k, dtype, device, tma=False)[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     row = {key: v for key, v in C.WARP_SPECIALIZED_TMA_ROW.items() if key != "K_BYTES"}

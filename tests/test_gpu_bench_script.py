@@ -142,7 +142,7 @@ def test_plan_order_baselines_and_roofline(tmp_path):
     """Tier 0 (per family its most informative cases) before the rest, in every family; W8A8
     below _int_mm's M limit against a baseline that runs there; the roofline is the larger of
     bytes at peak bandwidth and FLOPs at the peak MMA rate, beside each measured time."""
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     plan = bench.all_cases(list(bench.FAMILIES), False, None)
     tiers = [c.tier for c in plan]
@@ -172,7 +172,7 @@ def test_a_lost_device_context_ends_the_process_and_resume_runs_the_rest(tmp_pat
     """A sticky device error after a case (simulated: the check that follows every case says
     the context is gone) ends the process with EXIT_RESUME after recording that case as an
     error with the reason; --resume keeps every finished case and runs only the rest."""
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     args = ["--device", "cpu", "--quick", "--backends", "torch", "--rounds", "1", "--out", str(tmp_path),
             "--tag", "t", "--families", "fused"]
@@ -224,7 +224,7 @@ def test_tile_sweep_times_candidate_rows_and_restores_the_table(tmp_path):
     row's, every candidate and the library baseline get medians, and the table is as before."""
     import copy
 
-    from graft.kernels import tile_sweep
+    from graft.tools.bench import tile_sweep
     from graft.kernels.triton import _gemm_common as common
 
     from graft.kernels.triton import attention_prefill
@@ -254,7 +254,7 @@ def test_tile_sweep_reports_a_tma_row_that_fell_back_as_an_error(tmp_path, monke
     sm_90 does not) makes matmul fall back to the pointer kernel: the sweep reports the row as
     an error instead of timing the pointer kernel under its label, and the next TMA rows are
     tried again."""
-    from graft.kernels import tile_sweep
+    from graft.tools.bench import tile_sweep
     from graft.kernels.triton import gemm_linear
 
     real = gemm_linear._launch_tma
@@ -277,7 +277,7 @@ def test_tile_sweep_reports_a_tma_row_that_fell_back_as_an_error(tmp_path, monke
 
 
 def test_tile_row_replaces_only_the_row_of_that_m():
-    from graft.kernels import tile_sweep
+    from graft.tools.bench import tile_sweep
     from graft.kernels.triton import _gemm_common as common
 
     row = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1, num_stages=1)
@@ -292,7 +292,7 @@ def test_tile_row_switches_between_the_tma_and_the_pointer_kernel():
     kernel (TMA off), so a sweep compares the two kernels; the tables are restored after."""
     import torch
 
-    from graft.kernels import tile_sweep
+    from graft.tools.bench import tile_sweep
     from graft.kernels.triton import gemm_linear
 
     hopper = dict(generation="hopper", sms=132)
@@ -317,7 +317,7 @@ def test_a_case_holds_nothing_once_it_is_measured(monkeypatch):
 
     import torch
 
-    from graft.kernels import bench
+    from graft.tools.bench import kernels as bench
 
     class Inputs:  # stands for the case's device tensors
         def __init__(self):
@@ -344,7 +344,7 @@ def test_measured_kind_rows_apply_to_their_kind_only():
     """The rows a tile sweep measured faster for one kernel kind (KIND_TILES) are what that
     kind's launcher plans with on Hopper; the other kinds keep the shared row, and a sweep's
     candidate replaces both while it is measured."""
-    from graft.kernels import tile_sweep
+    from graft.tools.bench import tile_sweep
     from graft.kernels.triton import gemm_fp8, gemm_linear, gemm_w4a16, gemm_w8a8
     from graft.kernels.triton import _gemm_common as common
     import torch

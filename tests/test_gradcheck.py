@@ -23,8 +23,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graft.conformance.cases import builtin_cases
-from graft.fuzz import grad_function
+from graft.tools.conformance.cases import builtin_cases
+from graft.tools.fuzz import grad_function
 from graft.plugins import get_registry
 
 # op -> the cases (graft.ops.<family>.CASES names) checked: small, and covering the op's variants.

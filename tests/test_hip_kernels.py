@@ -340,7 +340,7 @@ def test_selection_falls_back_with_the_reason(fresh_graft, op, monkeypatch, capl
 
 
 def test_graft_info_lists_hip_implementations(fresh_graft):
-    from graft.info import collect
+    from graft.tools.info import collect
 
     report = collect(ops=sorted(HIP_OPS))
     for entry in report["ops"]:

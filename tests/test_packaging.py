@@ -26,7 +26,8 @@ def test_single_top_level_namespace(wheel):
     tops = {n.split("/")[0] for n in wheel.namelist() if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"graft"}, tops
     names = set(wheel.namelist())
-    for pkg in ("adapters", "kernels", "kernels/triton", "kernels/hip", "patches", "conformance", "ops"):
+    for pkg in ("adapters", "kernels", "kernels/triton", "kernels/hip", "tools", "tools/patches", "tools/conformance",
+                "tools/bench", "ops"):
         assert f"graft/{pkg}/__init__.py" in names, pkg
 
 
@@ -37,7 +38,7 @@ def test_entry_points_declared(wheel):
     assert "[vllm.general_plugins]" in text and "[console_scripts]" in text
 
 
-BARE = {"adapters", "kernels", "patches", "conformance", "ops"}
+BARE = {"adapters", "kernels", "patches", "conformance", "ops", "tools"}
 
 
 def test_no_import_uses_a_bare_top_level_name():

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from graft.patches.check import ALREADY, APPLIES, FAILS, check
-from graft.patches.generate import PatchWarning, generate
-from graft.patches.template import PatchError
-from graft.adapters.deepspeed import patch as ds_template
-from graft.adapters.megatron import patch as mlm_template
-from graft.adapters.vllm import patch as vllm_template
+from graft.tools.patches.check import ALREADY, APPLIES, FAILS, check
+from graft.tools.patches.generate import PatchWarning, generate
+from graft.tools.patches.template import PatchError
+from graft.tools.patches.upstream import deepspeed as ds_template
+from graft.tools.patches.upstream import megatron as mlm_template
+from graft.tools.patches.upstream import vllm as vllm_template
 
 SIGNER = "Jane Dev <jane@example.com>"
 
@@ -198,7 +198,7 @@ def set_vllm_version(repo, version):
 
 
 def bench_json(path: Path, gpu="NVIDIA H200", op="rms_norm") -> Path:
-    """A kernels/bench.py results JSON as the benchmark writes it (a GPU run unless gpu=None)."""
+    """A graft/tools/bench/kernels.py results JSON as the benchmark writes it (a GPU run unless gpu=None)."""
     env = {"device": "cuda:0" if gpu else "cpu", "torch": "2.13.0", "triton": "3.6.0"}
     if gpu:
         env["gpu"] = gpu
@@ -278,7 +278,7 @@ def test_cover_letter_and_reroll(vllm_repo, tmp_path):
 
 
 def test_a_series_of_several_templates_gets_a_cover_letter(vllm_repo, tmp_path):
-    from graft.patches.template import CreateFile, PatchTemplate
+    from graft.tools.patches.template import CreateFile, PatchTemplate
 
     def template(name, path):
         return PatchTemplate(name=name, framework="vllm", supported=">=0.33", subject=f"Add {path}",
@@ -467,7 +467,7 @@ def test_cpu_conformance_results_say_interpreter_and_claim_no_speedup(megatron_r
 
 
 def test_templates_document_why_how_upstream_and_removal():
-    from graft.patches.generate import available_templates
+    from graft.tools.patches.generate import available_templates
 
     templates = available_templates()
     assert {t.framework for t in templates} >= {"vllm", "deepspeed", "megatron"}
@@ -639,7 +639,7 @@ def test_out_naming_an_existing_file_is_a_clear_error(vllm_repo, tmp_path):
 
 def test_kernel_patches_are_generated_only_with_gpu_numbers(vllm_repo, tmp_path):
     with pytest.warns(PatchWarning, match=r"vllm-triton-rms-norm not generated: a kernel patch is generated only "
-                                          r"with GPU benchmark numbers from kernels/bench.py"):
+                                          r"with GPU benchmark numbers from graft/tools/bench/kernels.py"):
         (patch,) = gen("vllm", vllm_repo, tmp_path / "out")
     assert "oot" in patch.name.lower() or "Keep-the-in-tree" in patch.name
     with pytest.raises(PatchError, match="vllm-triton-rms-norm: a kernel patch .*; none given"):
@@ -651,7 +651,7 @@ def test_kernel_patches_are_generated_only_with_gpu_numbers(vllm_repo, tmp_path)
         gen("vllm", vllm_repo, tmp_path / "out4", names=["vllm-triton-rms-norm"],
             bench_results=bench_json(tmp_path / "silu.json", op="silu"))
     (broken := tmp_path / "broken.json").write_text("[]")
-    with pytest.raises(PatchError, match="not a kernels/bench.py results JSON"):
+    with pytest.raises(PatchError, match="not a graft/tools/bench/kernels.py results JSON"):
         gen("vllm", vllm_repo, tmp_path / "out5", names=["vllm-triton-rms-norm"], bench_results=broken)
     (patch,) = gen("vllm", vllm_repo, tmp_path / "out6", **kernel("vllm-triton-rms-norm", tmp_path))
     message = patch.read_text().split("\n---\n", 1)[0]
@@ -668,7 +668,7 @@ def test_kernel_patches_are_generated_only_with_gpu_numbers(vllm_repo, tmp_path)
 def test_formatter_config_missing_from_the_tree(tmp_path):
     """Unpacked sdists leave dot-files out: the project's stored copy is used (and said), or
     the error names the missing file."""
-    from graft.patches.linters import _configured
+    from graft.tools.patches.linters import _configured
 
     ds_yapf = ds_template.PROJECT.tools[0]
     argv, note = _configured(ds_template.PROJECT, ds_yapf, ds_yapf.check, tmp_path, tmp_path)
@@ -688,7 +688,7 @@ def test_formatter_config_missing_from_the_tree(tmp_path):
 
 
 def test_linter_pins_follow_the_trees_pre_commit_config(tmp_path):
-    from graft.patches.linters import pinned_packages
+    from graft.tools.patches.linters import pinned_packages
 
     assert pinned_packages(mlm_template.PROJECT, tmp_path) == mlm_template.PROJECT.packages  # sdist: release pins
     (tmp_path / ".pre-commit-config.yaml").write_text(
@@ -698,7 +698,7 @@ def test_linter_pins_follow_the_trees_pre_commit_config(tmp_path):
 
 
 def _skipping_template(new_test: str):
-    from graft.patches.template import CreateFile, PatchTemplate
+    from graft.tools.patches.template import CreateFile, PatchTemplate
 
     return PatchTemplate(name="t", framework="vllm", supported=">=0.33", subject="[Misc] Add a test", body="Body.",
                          changes=lambda: [CreateFile("tests/test_new.py", new_test)],
@@ -727,7 +727,7 @@ def test_check_counts_tests_and_calls_an_all_skipped_run_not_checked(vllm_repo, 
 
 
 def test_explain_says_why_each_patch_matters_upstream():
-    from graft.patches.explain import explain
+    from graft.tools.patches.explain import explain
 
     for framework, module in (("vllm", vllm_template), ("deepspeed", ds_template), ("megatron", mlm_template)):
         text = explain(framework)
@@ -736,7 +736,7 @@ def test_explain_says_why_each_patch_matters_upstream():
         assert text.count("why upstream wants it:") == len(module.templates())
         assert "where it runs:\n    the default configuration" in text
         assert "not by default; turned on by:" in text  # the kernel patch states its switch
-        assert "generated:\n    only with GPU numbers from kernels/bench.py" in text
+        assert "generated:\n    only with GPU numbers from graft/tools/bench/kernels.py" in text
         assert "graft drops:" in text
     assert "run with -m inference_ops: the project's default selection leaves it out" in " ".join(
         explain("deepspeed").split())

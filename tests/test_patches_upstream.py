@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from graft.patches.check import APPLIES, check
-from graft.patches.generate import select_templates
+from graft.tools.patches.check import APPLIES, check
+from graft.tools.patches.generate import select_templates
 
 from test_patches import _installed_sources, bench_json, gen, git
 

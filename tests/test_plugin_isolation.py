@@ -103,7 +103,7 @@ def test_raising_check_or_available_is_a_reason_and_the_next_candidate_serves(in
     buggy = [c for c in decision.candidates if c.impl.backend == "buggy"]
     if where == "available":  # static: explain() sees it without arguments
         assert buggy and f"buggy's {where}() raised ZeroDivisionError: plugin bug" in buggy[0].reason
-    from graft.info import collect
+    from graft.tools.info import collect
 
     collect()  # graft info must not crash
 

@@ -210,7 +210,7 @@ def test_html_renders_in_headless_chromium(api_profile, tmp_path):
 
 
 def test_compare_two_profiles(api_profile, capsys):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     assert main(["profile", "--compare", str(api_profile / "profile.json"), str(api_profile)]) == 0
     text = capsys.readouterr().out
@@ -228,7 +228,7 @@ def test_compare_two_profiles(api_profile, capsys):
 
 
 def test_cli_errors(tmp_path, capsys):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     assert main(["profile", "--out", str(tmp_path)]) == 2
     assert "no command to profile" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """TorchTitan training on 2 gloo ranks, graft's converter on vs off: its registry's debug
 models, its parallelize functions (FSDP2, TP/SP), its loss and optimizer builders (driven
-by graft.bench.torchtitan_step, whose docstring lists the CPU shims and the Trainer parts not exercised).
+by graft.tools.bench.torchtitan_step, whose docstring lists the CPU shims and the Trainer parts not exercised).
 
 Tolerance: fp32 throughout (params, reduction, activations). graft's torch backend computes
 RMSNorm and SwiGLU with the same formulas as TorchTitan's modules but not necessarily the
@@ -108,7 +108,7 @@ def test_llama3_fsdp2_graft_model_and_optimizer_equal_torchtitans():
 def test_deepseek_v3_moe_experts_fsdp2_graft_on_equals_off():
     """The opt-in ``moe`` part on 2 FSDP2 ranks (expert weights all-gathered by FSDP2, local
     dispatch): graft's ``moe.fused_experts`` against TorchTitan's experts made fp32 (test-only,
-    see graft.bench.torchtitan_step.fp32_experts) on both sides."""
+    see graft.tools.bench.torchtitan_step.fp32_experts) on both sides."""
     env = dict(ENV, GRAFT_TEST_TITAN_FP32_EXPERTS="1")
     parts = ("norm", "swiglu", "moe")
     off = run_ranks(_titan.train_ranks, 2, "deepseek_v3", False, 1, STEPS, 0, 2, 2, 16, False, False, None, False,

@@ -32,7 +32,7 @@ def test_every_training_op_has_a_triton_backward(fresh_graft):
 def test_gradient_conformance_first_case(fresh_graft, op):
     """Each op's first quick case in fp32 through the --grad runner: every input's gradient
     from the Triton backward matches autograd through the reference."""
-    from graft.conformance.runner import Options, Runner
+    from graft.tools.conformance.runner import Options, Runner
 
     runner = Runner(options=Options(ops=(op,), impls=("triton",), timing=False, upstream=False, grad=True,
                                     dtypes=(torch.float32,)))
@@ -45,8 +45,8 @@ def test_gradient_conformance_first_case(fresh_graft, op):
 
 
 def test_grad_report_json_and_markdown(fresh_graft, tmp_path):
-    from graft.conformance.report import write_reports
-    from graft.conformance.runner import Options, Runner
+    from graft.tools.conformance.report import write_reports
+    from graft.tools.conformance.runner import Options, Runner
 
     report = Runner(options=Options(ops=("fused.silu_and_mul",), impls=("triton",), timing=False, grad=True,
                                     dtypes=(torch.float32,))).run()
@@ -61,7 +61,7 @@ def test_grad_report_json_and_markdown(fresh_graft, tmp_path):
 
 def test_a_wrong_backward_fails_the_grad_check(fresh_graft, monkeypatch):
     """The check can fail: a silu_and_mul backward that drops the gate's gradient is caught."""
-    from graft.conformance.runner import Options, Runner
+    from graft.tools.conformance.runner import Options, Runner
     from graft.kernels.triton import fused_silu_and_mul
 
     real = fused_silu_and_mul._silu_and_mul_bwd
@@ -155,7 +155,7 @@ def test_megatron_patch_rms_norm_trains(tmp_path):
     import importlib.util
     import types
 
-    from graft.adapters.megatron import patch as megatron
+    from graft.tools.patches.upstream import megatron as megatron
 
     change = next(c for c in megatron._changes() if c.path == megatron.MODULE_PATH)
     path = tmp_path / "fused_rms_norm_triton.py"

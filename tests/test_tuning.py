@@ -120,7 +120,7 @@ def test_foreign_tables_are_ignored_and_said(tmp_path, toy, monkeypatch):
     assert "measured on another device (name 'Some Other CPU'" in found[0].ignored
     assert "measured with torch 1.0.0" in found[1].ignored
     assert _served(10) == FW  # nothing applies: the framework's own code serves
-    from graft.info import collect, render_text
+    from graft.tools.info import collect, render_text
 
     text = render_text(collect(device="cpu", ops=[OP]))
     assert f"{foreign}  (1 entries)  ignored: measured on another device" in text
@@ -231,7 +231,7 @@ def test_ranks_reading_one_table_agree(tmp_path):
 def test_info_shows_per_bucket_choice_ratio_and_table(tmp_path, toy, monkeypatch):
     path = _table(tmp_path, [_entry("t<=16 x=[t,64]", "torch", "graft", median={"torch": 2.0, FW: 2.6}, ratio=1.3)])
     monkeypatch.setenv("GRAFT_TUNING_TABLE", path)
-    from graft.info import collect, render_text
+    from graft.tools.info import collect, render_text
 
     report = collect(device="cpu", ops=[OP])
     assert report["tuning"]["tables"][0]["used"] is True
@@ -294,7 +294,7 @@ def test_vllm_parts_stay_vllms_own_unless_graft_is_known_faster(tmp_path, fresh_
 
 
 def _tune(tmp_path, *args):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     return main(["tune", *args])
 
@@ -322,7 +322,7 @@ def test_tune_quick_end_to_end_and_resume(tmp_path, fresh_graft, capsys, monkeyp
     assert capsys.readouterr().out.count("(resumed)") == 6
     # The table serves: graft info reads it.
     monkeypatch.setenv("GRAFT_TUNING_TABLE", str(out))
-    from graft.info import collect
+    from graft.tools.info import collect
 
     assert len(collect(device="cpu", ops=[OP])["tuning"]["ops"][OP]) == 2
 
@@ -344,7 +344,7 @@ def test_tune_from_recorded_shapes_with_a_competing_framework(tmp_path, toy, cap
 
 
 def test_tune_rejects_bad_input(tmp_path, fresh_graft, capsys):
-    from graft.cli import main
+    from graft.tools.cli import main
 
     bad = tmp_path / "s.json"
     bad.write_text(json.dumps({"format": "x"}))
@@ -428,7 +428,7 @@ def test_tune_draws_weights_at_their_fan_in_scale_on_the_device(device):
     """A model's weights are drawn as random normal / sqrt(fan-in) (unit-sized outputs, as in
     a trained model: with unscaled weights a MoE layer's outputs reach 1e5 and bf16 rounding
     fails candidates that are right), on the measuring device; shapes alone (meta) for keys."""
-    from graft import tune
+    from graft.tools import tune
 
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
            "num_local_experts": 4, "num_experts_per_tok": 2}

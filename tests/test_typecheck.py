@@ -1,7 +1,7 @@
 """The package type-checks, and static tools resolve every graft import.
 
-The top-level folders (adapters/, kernels/, patches/, conformance/) are linked into
-``graft/``, so mypy follows ``graft.kernels.triton._common`` to a real file; an
+Every folder of the package is a real folder under ``graft/`` (no symlinks), so mypy and
+any import-graph tool follow ``graft.kernels.triton._common`` to a real file; an
 unresolved graft import or a type error in graft's own code fails here.
 """
 from __future__ import annotations
@@ -16,10 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tree_links_the_top_level_folders_into_the_package():
-    for folder in ("adapters", "kernels", "patches", "conformance"):
-        link = ROOT / "graft" / folder
-        assert link.is_symlink() and link.resolve() == (ROOT / folder).resolve(), link
+def test_the_package_holds_no_symlinks():
+    proc = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True)
+    links = [line.split("\t", 1)[1] for line in proc.stdout.splitlines() if line.startswith("120000")]
+    assert links == [], links
+    for folder in ("adapters", "kernels", "tools", "ops"):
+        path = ROOT / "graft" / folder
+        assert path.is_dir() and not path.is_symlink(), path
+    for old in ("adapters", "kernels", "patches", "conformance"):
+        assert not (ROOT / old).exists(), f"{old}/ moved into graft/"
 
 
 def test_mypy_passes_over_the_package():

@@ -3,7 +3,7 @@ faster one would buy.
 
 * :func:`profile` - ``with graft.profile("prof"):`` around a user's own loop;
 * :func:`step` - mark a step boundary in a loop that has no optimizer;
-* ``graft profile [--out DIR] [--steps N] -- <command...>`` (:mod:`graft.profiling.cli`) -
+* ``graft profile [--out DIR] [--steps N] -- <command...>`` (:mod:`graft.tools.profile`) -
   every Python process of a command (vLLM's engine core, each torch.distributed rank).
 
 Importing this package stays light (no torch): the command line imports it into every

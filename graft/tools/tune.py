@@ -1,0 +1,431 @@
+"""``graft tune``: measure every implementation of graft's ops on this device, the
+framework's own included, for a model's shapes, and write the winners to a tuning table
+(format and how dispatch uses it: :mod:`graft.tuning`).
+
+Shapes come from a model's config (``--model``: a Hugging Face ``config.json`` or the folder
+holding it; hidden size, heads, KV heads, head dim, intermediate size, experts, dtype) times
+token-count buckets, or from recorded shapes (``--shapes FILE``, ``graft-shapes/1``). Each
+candidate is first checked against the op's torch reference (a wrong one is rejected, with
+the reason in the table), then all are timed on the same inputs, interleaved in rounds
+(:func:`graft.tools.bench.timing.interleaved`), medians. The table is rewritten after every shape,
+so an interrupted run resumes where it stopped (entries already in ``--out`` for this device
+and versions are kept and skipped; ``--fresh`` measures again).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from graft import framework_backend, tuning
+from graft.errors import GraftConfigError
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUICK_TOKENS = (1, 16, 128)
+FRAMEWORKS_DEFAULT = "vllm"
+
+
+def add_arguments(parser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="CONFIG", help="a Hugging Face config.json (or its folder): shapes of its layers")
+    src.add_argument("--shapes", metavar="FILE", help=f"recorded shapes ({tuning.SHAPES_FORMAT}, see graft.tuning)")
+    parser.add_argument("--out", metavar="FILE", default="graft-tuning.json",
+                        help="the tuning table to write (and resume from); default graft-tuning.json")
+    parser.add_argument("--tokens", metavar="N,N,...", default=None,
+                        help=f"token counts to measure (default {','.join(map(str, DEFAULT_TOKENS))}; "
+                             f"--quick: {','.join(map(str, QUICK_TOKENS))})")
+    parser.add_argument("--dtype", default=None, help="dtype of the measured tensors (default: the model's)")
+    parser.add_argument("--ops", default=None, help="comma-separated ops to tune (default: every op the shapes name)")
+    parser.add_argument("--frameworks", default=FRAMEWORKS_DEFAULT,
+                        help="frameworks whose own code competes (default vllm; '' for none)")
+    parser.add_argument("--device", default=None, help="device to measure on (default: this machine's accelerator, else cpu)")
+    parser.add_argument("--quick", action="store_true", help="fewer token counts and rounds (a minute or two on a CPU)")
+    parser.add_argument("--rounds", type=int, default=None, help="timing rounds per shape (default 15, --quick 7)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads while measuring (default: torch's; match what the framework will use)")
+    parser.add_argument("--fresh", action="store_true", help="measure every shape again (ignore entries in --out)")
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).replace("torch.", "")
+    key = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(key, key)
+    if key not in _DTYPES and not isinstance(getattr(torch, key, None), torch.dtype):
+        raise GraftConfigError(f"dtype {name!r} is not a torch dtype (float32, float16, bfloat16...)")
+    return _DTYPES.get(key) or getattr(torch, key)
+
+
+def read_model_config(path: str) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except OSError as exc:
+        raise GraftConfigError(f"--model {path!r}: cannot read {p}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise GraftConfigError(f"--model {path!r}: {p} is not JSON: {exc}") from None
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in cfg]
+    if missing:
+        raise GraftConfigError(f"--model {path!r}: {p} lacks {', '.join(missing)} (a decoder's config.json has them)")
+    return cfg
+
+
+def model_shapes(cfg: dict, tokens, dtype: torch.dtype) -> list:
+    """Shape entries (graft-shapes/1 items) of a decoder layer's ops for each token count."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 2
+    max_pos = min(int(cfg.get("max_position_embeddings") or 4096), 8192)
+    name = str(dtype).replace("torch.", "")
+    out = []
+
+    def add(op, *args):
+        out.append({"op": op, "dtype": name, "args": list(args)})
+
+    def weight(*shape):  # random normal / sqrt(fan-in): unit-sized outputs, as in a trained model
+        return {"shape": list(shape), "scale": 1.0 / math.sqrt(shape[-1])}
+
+    for t in tokens:
+        x = {"shape": [t, hidden]}
+        add("fused.rms_norm", x, {"shape": [hidden]}, float(cfg.get("rms_norm_eps", 1e-6)), None)
+        add("fused.rms_norm", x, {"shape": [hidden]}, float(cfg.get("rms_norm_eps", 1e-6)), {"shape": [t, hidden]})
+        add("fused.rotary_embedding", {"shape": [t], "dtype": "int64", "high": max_pos},
+            {"shape": [t, heads * head_dim]}, {"shape": [t, kv_heads * head_dim]}, head_dim,
+            {"shape": [max_pos, head_dim]}, True)
+        add("gemm.linear", x, weight((heads + 2 * kv_heads) * head_dim, hidden), None, "none")
+        add("gemm.linear", {"shape": [t, heads * head_dim]}, weight(hidden, heads * head_dim), None, "none")
+        if experts:
+            add("moe.fused_experts", x, weight(experts, 2 * inter, hidden), weight(experts, hidden, inter),
+                {"shape": [t, top_k], "softmax": True, "dtype": "float32"},
+                {"shape": [t, top_k], "dtype": "int32", "high": experts}, "silu")
+        else:
+            add("fused.silu_and_mul", {"shape": [t, 2 * inter]})
+            add("gemm.linear", x, weight(2 * inter, hidden), None, "none")
+            add("gemm.linear", {"shape": [t, inter]}, weight(hidden, inter), None, "none")
+    return out
+
+
+def read_shapes(path: str) -> list:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise GraftConfigError(f"--shapes {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise GraftConfigError(f"--shapes {path!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != tuning.SHAPES_FORMAT:
+        raise GraftConfigError(f"--shapes {path!r}: format must be {tuning.SHAPES_FORMAT!r} (see graft.tuning)")
+    shapes = data.get("shapes")
+    if not isinstance(shapes, list):
+        raise GraftConfigError(f"--shapes {path!r}: 'shapes' must be a list of {{op, dtype, args}}")
+    for i, entry in enumerate(shapes):
+        if not isinstance(entry, dict) or not isinstance(entry.get("op"), str) or not isinstance(entry.get("args"), list):
+            raise GraftConfigError(f"--shapes {path!r}: entry {i} needs 'op' (a string) and 'args' (a list): {entry!r}")
+    return shapes
+
+
+def make_args(entry: dict, device, gen: torch.Generator | None) -> tuple:
+    """The arguments of one shape entry, as tensors on ``device``, drawn there from ``gen``
+    (seeded; a generator of that device): a GPU's large weights are not made on the host.
+    On ``meta`` (shapes only, ``gen`` None) nothing is drawn or allocated."""
+    device = torch.device(device)
+    dtype = _dtype(entry.get("dtype", "float32"))
+    args = []
+    for arg in entry["args"]:
+        if isinstance(arg, dict) and "shape" in arg:
+            shape = [int(d) for d in arg["shape"]]
+            t_dtype = _dtype(arg["dtype"]) if "dtype" in arg else dtype
+            if device.type == "meta":
+                t = torch.empty(shape, dtype=t_dtype, device=device)
+            elif t_dtype.is_floating_point:
+                t = torch.randn(shape, generator=gen, device=device)
+                if "scale" in arg:
+                    t *= float(arg["scale"])
+                if arg.get("softmax"):
+                    t = t.softmax(dim=-1)
+                t = t.to(t_dtype)
+            else:
+                high = int(arg.get("high", 2))
+                if t_dtype == torch.int32 and len(shape) == 2 and arg.get("high") and shape[-1] <= high:
+                    # distinct ids per row (top-k): the first k of a random order of all ids
+                    t = torch.rand(shape[0], high, generator=gen, device=device).argsort(dim=-1)[:, : shape[-1]]
+                else:
+                    t = torch.randint(0, high, shape, generator=gen, device=device)
+                t = t.to(t_dtype)
+            args.append(t)
+        else:
+            args.append(arg)
+    return tuple(args)
+
+
+def generator(device, seed: int = 0) -> torch.Generator:
+    """A seeded generator on ``device`` (what :func:`make_args` draws from)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _close(out, ref, dtype) -> str | None:
+    """Why ``out`` does not match the reference's ``ref`` (None: it does)."""
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
+            return f"returns {type(out).__name__}, the reference a {len(ref)}-tuple"
+        for o, r in zip(out, ref):
+            why = _close(o, r, dtype)
+            if why:
+                return why
+        return None
+    if ref is None:
+        return None if out is None else "returns a tensor where the reference returns None"
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return f"shape {getattr(out, 'shape', None)} != the reference's {tuple(ref.shape)}"
+    diff = (out.float() - ref.float()).abs()
+    bound = tol + tol * ref.float().abs()
+    if diff.numel() and bool((diff > bound).any()):
+        return f"differs from the reference by up to {float(diff.max()):.3g} (tolerance {tol:g})"
+    return None
+
+
+def _candidates(registry, op: str, device, dtype, args) -> tuple[dict, dict]:
+    """``({name: impl}, {name: why not})`` of the implementations that can serve ``args``:
+    one per backend (the one selection would take), named by backend."""
+    from graft.platform import device_info
+
+    arch = device_info(device).arch if device.type == "cuda" else device.type
+    usable, rejected = {}, {}
+    for impl in registry.implementations(op):  # highest priority first within a backend
+        if impl.backend in usable or impl.backend in rejected:
+            continue
+        why = impl.reason(device.type, dtype, arch, args, {})
+        if why is None:
+            usable[impl.backend] = impl
+        elif impl.framework or impl.backend != "torch":
+            rejected[impl.backend] = why
+    return usable, rejected
+
+
+def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict | None:
+    """One shape: the table entry (winner, ratio, medians), or None when fewer than one
+    candidate can serve it."""
+    from graft.tools.bench.timing import interleaved
+
+    op, dtype = entry["op"], _dtype(entry.get("dtype", "float32"))
+    spec = registry.op(op)
+    args = make_args(entry, device, generator(device, seed))
+    spec.validate(*args) if spec.validate is not None else None
+    usable, rejected = _candidates(registry, op, device, dtype, args)
+    ref = spec.reference(*args)
+    variants = {}
+    for backend, impl in usable.items():
+        try:
+            why = _close(impl.fn(*args), ref, dtype)
+        except Exception as exc:  # a candidate that fails here must not stop the run
+            why = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if why:
+            rejected[backend] = why
+            continue
+        variants[backend] = (lambda fn=impl.fn: fn(*args))
+    if not variants:
+        return None
+    unmeasured = {i.backend: rejected.get(i.backend) or "cannot serve this shape here" for i in registry.implementations(op)
+                  if i.framework and framework_backend.enabled(i.framework) and i.backend not in variants}
+    if unmeasured and not any(usable[b].framework for b in variants):
+        # The framework's own code cannot be called here with the op's arguments: graft is not
+        # known faster, so the framework keeps the bucket (the integration leaves it alone).
+        backend, why = sorted(unmeasured.items())[0]
+        return {"op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
+                "tokens": _tokens(spec, args), "backend": backend, "provider": backend, "providers": {},
+                "ratio": None, "median_us": {}, "spread": {}, "rejected": rejected,
+                "note": f"{backend}'s own code could not be measured here ({why}); graft is not known faster"}
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    once = _time_once(variants, sync)
+    inner = max(1, min(500, int(1e-3 / max(once, 1e-7))))  # ~1 ms a sample: stalls average out
+    timings = interleaved(variants, rounds=rounds, inner=inner, warmup=2, sync=sync)
+    order = sorted(timings, key=lambda b: timings[b])
+    winner = order[0]
+    frameworks = [b for b in variants if usable[b].framework]
+    if frameworks and winner not in frameworks:
+        fw = min(frameworks, key=lambda b: timings[b])
+        if timings.ratio(fw, winner) < 1 + tuning.MARGIN:  # within the margin: graft steps aside
+            winner = fw
+    others = [b for b in order if b != winner]
+    ratio = timings.ratio(others[0], winner) if others else None
+    return {
+        "op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
+        "tokens": _tokens(spec, args),
+        "backend": winner, "provider": usable[winner].provider,
+        "providers": {b: usable[b].provider for b in variants},
+        "ratio": None if ratio is None else round(ratio, 4),
+        "median_us": {b: round(timings[b] * 1e6, 3) for b in order},
+        "spread": {b: [round(min(timings.samples[b]) * 1e6, 3), round(max(timings.samples[b]) * 1e6, 3)]
+                   for b in order},
+        "rounds": rounds, "inner": inner,
+        "rejected": rejected,
+    }
+
+
+def _tokens(spec, args):
+    key = args[spec.key_arg] if len(args) > spec.key_arg else None
+    return int(key.shape[0]) if isinstance(key, torch.Tensor) and key.dim() else None
+
+
+def _time_once(variants: dict, sync) -> float:
+    """The slowest candidate's best of three calls (a shared machine's stalls are not the
+    call's time: the best of a few is what the call costs)."""
+    slowest = 0.0
+    for fn in variants.values():
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            best = min(best, time.perf_counter() - start)
+        slowest = max(slowest, best)
+    return slowest
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _enable_frameworks(names) -> list:
+    """Let the frameworks' own implementations compete (their module must import); returns
+    the ones enabled, and says why for the others."""
+    import importlib
+
+    from graft import framework_backend
+
+    done = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            print(f"  {name}: not measured ({type(exc).__name__}: {exc})", flush=True)
+            continue
+        framework_backend.enable(name)
+        done.append(name)
+    return done
+
+
+def _existing(out: Path, device: dict, versions: dict) -> list:
+    if not out.exists():
+        return []
+    table = tuning.load(str(out))
+    why = tuning.mismatch(table, device, versions)
+    if why:
+        raise GraftConfigError(f"--out {out}: an existing table {why}; write to another file or pass --fresh")
+    return list(table.entries.values())
+
+
+def write_table(out: Path, device: dict, versions: dict, entries: list, source: str) -> None:
+    data = {"format": tuning.FORMAT, "device": device, "versions": versions,
+            "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "source": source, "entries": entries}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, out)  # atomic: an interrupted run leaves the last complete table
+
+
+def run(args) -> int:
+    from graft.platform import default_device
+    from graft.plugins import get_registry
+
+    device = torch.device(args.device) if args.device else default_device()
+    tokens: tuple = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
+    if args.tokens:
+        try:
+            tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
+        except ValueError:
+            raise GraftConfigError(f"--tokens {args.tokens!r}: give comma-separated token counts, e.g. 1,16,128") from None
+        if not tokens or min(tokens) < 1:
+            raise GraftConfigError(f"--tokens {args.tokens!r}: token counts must be >= 1")
+    rounds = args.rounds or (7 if args.quick else 15)
+    if rounds < 1:
+        raise GraftConfigError(f"--rounds {rounds}: at least 1")
+    if args.model:
+        cfg = read_model_config(args.model)
+        dtype = _dtype(args.dtype or cfg.get("torch_dtype") or "float32")
+        shapes = model_shapes(cfg, tokens, dtype)
+        source = f"graft tune --model {args.model}"
+    else:
+        shapes = read_shapes(args.shapes)
+        if args.dtype:
+            shapes = [dict(s, dtype=args.dtype) for s in shapes]
+        source = f"graft tune --shapes {args.shapes}"
+    registry = get_registry()
+    if args.ops:
+        wanted = [o.strip() for o in args.ops.split(",") if o.strip()]
+        for op in wanted:
+            registry.op(op)  # unknown op: a clear error
+        shapes = [s for s in shapes if s["op"] in wanted]
+    for s in shapes:
+        registry.op(s["op"])
+    if args.threads is not None:
+        if args.threads < 1:
+            raise GraftConfigError(f"--threads {args.threads}: at least 1")
+        torch.set_num_threads(args.threads)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    print(f"graft tune: {len(shapes)} shapes on {device.type} ({torch.get_num_threads()} threads), {rounds} rounds "
+          f"each; frameworks competing: {', '.join(frameworks) or 'none'}", flush=True)
+    _enable_frameworks(frameworks)
+    out = Path(args.out)
+    device_desc, here_versions = tuning.device_key(device.type), tuning.versions()
+    entries = [] if args.fresh else _existing(out, device_desc, here_versions)
+    done = {(e["op"], e["dtype"], e["bucket"]) for e in entries}
+    started, measured = time.perf_counter(), 0
+    todo = shapes
+    for i, s in enumerate(todo, 1):
+        key = (s["op"], tuning.dtype_name(_dtype(s.get("dtype", "float32"))), tuning.bucket(s["op"], make_args(s, "meta", None)))
+        if key in done:
+            print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: in {out} already (resumed)", flush=True)
+            continue
+        entry = measure(s, device, rounds, registry)
+        measured += 1
+        elapsed = time.perf_counter() - started
+        left = elapsed / measured * (len(todo) - i)
+        if entry is None:
+            print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: nothing can serve it here", flush=True)
+            continue
+        entries = [e for e in entries if (e["op"], e["dtype"], e["bucket"]) != key] + [entry]
+        done.add(key)
+        write_table(out, device_desc, here_versions, entries, source)
+        times = ", ".join(f"{b} {us:.1f} us" for b, us in entry["median_us"].items()) or entry.get("note", "")
+        ratio = f" ({entry['ratio']:.2f}x)" if entry["ratio"] else ""
+        print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: {times} -> {entry['backend']}{ratio}; "
+              f"about {left:.0f} s left", flush=True)
+    print(f"graft tune: wrote {out} ({len(entries)} entries); use it with {tuning.TABLE_VAR}={out}", flush=True)
+    return 0
+
+
+def summary(entries: list) -> dict:
+    """``{op: {backend: buckets won}}`` (reports, tests)."""
+    out: dict = {}
+    for e in entries:
+        out.setdefault(e["op"], {}).setdefault(e["backend"], 0)
+        out[e["op"]][e["backend"]] += 1
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from graft.tools.cli import main
+
+    sys.exit(main(["tune", *sys.argv[1:]]))
+
