@@ -413,12 +413,10 @@ class FrameworkPlugin:
         return self._import(f"{self.package}.{name}")
 
     @staticmethod
-    def _import(full: str | None):
+    def _import(full: str):
         import importlib
 
-        if full is None or importlib.util.find_spec(full) is None:
-            return None
-        return importlib.import_module(full)
+        return importlib.import_module(full) if importlib.util.find_spec(full) is not None else None
 
     @hookimpl
     def graft_adapter_info(self):

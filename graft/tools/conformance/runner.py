@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from graft import __version__
-from graft.tools.conformance import baselines as baselines_mod
+from graft import baselines as baselines_mod
 from graft.tools.conformance import grad as grad_mod
 from graft.tools.conformance.cases import MULTI_PROCESS_FAMILIES, all_cases, select_cases
 from graft.tools.conformance.compare import Comparison, compare, flatten
