@@ -5,7 +5,8 @@ Public entry points:
 * :func:`graft.get_registry` - the op registry, populated by every installed adapter plugin.
 * :func:`graft.call` - run an op through backend selection (``graft.call("gemm.linear", x, weight)``);
   ``graft.run`` also returns the implementation that served it.
-* :func:`graft.select` / :func:`graft.explain` - what would run, and why.
+* :func:`graft.select` / :func:`graft.explain` - what would run, and why (``graft.explain(op, *args)``
+  for one call's shapes).
 """
 from graft._version import __version__
 from graft.errors import GraftConfigError, GraftError, GraftInputError, GraftUnsupportedError
@@ -60,10 +61,18 @@ def __getattr__(name):
     raise AttributeError(f"module 'graft' has no attribute {name!r}")
 
 
-def explain(op, **query):
-    from graft.selection import explain as _explain
+def explain(op, *args, **kwargs):
+    """Why an implementation serves ``op`` (a :class:`graft.selection.Decision`).
 
-    return _explain(get_registry(), op, **query)
+    With a call's arguments, ``graft.explain("fused.rms_norm", x, w, 1e-6)``: the decision
+    dispatch takes for exactly that call (per-call checks, the tuning table entry of its shape
+    bucket). Without, ``graft.explain(op, device=..., dtype=..., arch=...)``: what serves that
+    device and dtype before any shape is known."""
+    from graft import selection
+
+    if args:
+        return selection.explain_call(get_registry(), op, args, kwargs)
+    return selection.explain(get_registry(), op, **kwargs)
 
 
 __all__ = [

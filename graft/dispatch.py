@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 import torch
 
-from graft import config, selection, tuning
+from graft import config, selection
 from graft.errors import GraftConfigError, GraftInputError, GraftUnsupportedError
-from graft.platform import device_info, dtype_name
+from graft.platform import dtype_name
 from graft.plugins import get_registry
 from graft.ops._validate import value_checks_on
 from graft.registry import Implementation, key_tensor
@@ -117,7 +117,7 @@ class _Plan:
         # Whether a remembered signature still runs the op's value checks on each call
         # (OpSpec.check_values, while value checks are on for this device).
         self.values = values
-        # graft.tuning.PlanTuner: the plan of each tuned shape bucket (None: no table entry).
+        # _Tuned: the plan of each tuned shape bucket (None: no table entry).
         self.tune = None
         # impl key -> this plan narrowed to that impl, for signatures whose per-call checks
         # were decided once (_decided).
@@ -254,27 +254,55 @@ def _replan(op: str) -> None:
     selection.forget(op)
 
 
+def _up_to_unconditional(impls) -> tuple:
+    """A plan's implementations: up to the first one without a per-call check."""
+    out = []
+    for impl in impls:
+        out.append(impl)
+        if impl.check is None:
+            break
+    return tuple(out)
+
+
+class _Tuned:
+    """Selection's tuned answers for one plan, cached: per shape bucket with a tuning table
+    entry, the plan whose implementations start with the entry's (built on first use; cold
+    path only). Selection decides (graft.selection.table_choice, tuned_order); this only keeps."""
+
+    __slots__ = ("static", "default", "make_plan", "variants")
+
+    def __init__(self, static, default: "_Plan", make_plan):
+        self.static = static
+        self.default = default  # the plan of buckets without an entry
+        self.make_plan = make_plan  # impls -> a plan like the default one
+        self.variants: dict = {}  # bucket -> plan (None: the entry's backend cannot serve here)
+
+    def plan(self, op: str, args: tuple, kwargs: dict) -> "_Plan":
+        choice = selection.table_choice(self.static, args, kwargs)
+        if choice is None:
+            return self.default
+        if choice.bucket in self.variants:
+            variant = self.variants[choice.bucket]
+        else:
+            order = selection.tuned_order(self.static, choice)
+            variant = None if order is None else self.make_plan(_up_to_unconditional(order))
+            self.variants[choice.bucket] = variant
+        return variant if variant is not None else self.default
+
+
 def _build_plan(state: _Op, device, dtype) -> _Plan:
     registry = get_registry()
     op = state.name
-    if device is None:
-        device_type, arch = "cpu", "cpu"
-    else:
-        device_type = device.type
-        arch = device_info(device).arch if device_type == "cuda" else device_type
-    static, source, requested, strict, missing = selection._static_candidates(registry, op, device_type, dtype, arch)
-    usable = []
-    for cand in static:
-        if cand.reason is None:
-            usable.append(cand.impl)
-            if cand.impl.check is None:
-                break
+    device_type, arch = selection.device_key(device)
+    st = selection.static(registry, op, device_type, dtype, arch)
+    source, requested, strict, missing = st.source, st.requested, st.strict, st.missing
+    usable = list(_up_to_unconditional(st.usable()))
     if instrument is not None:  # graft.profiling is recording: each impl wrapped in a named range
         usable = [instrument(impl) for impl in usable]
     error = None
     if not usable:
         error = GraftUnsupportedError(
-            f"no implementation of {op} can serve this request:\n" + selection._reasons(static))
+            f"no implementation of {op} can serve this request:\n" + selection._reasons(st.candidates))
     else:
         # Statically skipped candidates ranked above the first usable one are logged (or,
         # when explicitly requested under GRAFT_STRICT=1, refused) once, here.
@@ -297,9 +325,10 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
               and value_checks_on(device_type))
     keep = keep or values
     plan = _Plan(tuple(usable), error, source, requested, strict, missing, keep, values)
-    if error is None and not requested:  # a GRAFT_* variable's order is never tuned away
-        plan.tune = tuning.tuner(op, device_type, dtype, plan, [c.impl for c in static if c.reason is None],
-                                 lambda impls: _Plan(impls, None, source, requested, strict, missing, keep, values))
+    if error is None and st.table is not None:
+        wrap = instrument if instrument is not None else (lambda impl: impl)
+        plan.tune = _Tuned(st, plan, lambda impls: _Plan(tuple(wrap(i) for i in impls), None, source, requested,
+                                                         strict, missing, keep, values))
     state.plans[(device, dtype)] = plan
     return plan
 

@@ -8,6 +8,7 @@ to the framework's own code.
 """
 from __future__ import annotations
 
+import enum
 import importlib.util
 import logging
 import os
@@ -28,6 +29,28 @@ from graft.errors import GraftDependencyError, GraftError
 from graft.hookspecs import hookimpl
 
 log = logging.getLogger("graft.integration")
+
+
+class State(enum.Enum):
+    """Why an integration can or cannot activate (code compares these, never the message)."""
+
+    ACTIVE = "active"
+    SWITCHED_OFF = "switched off"  # GRAFT_DISABLE=all or the integration's own variable
+    CONFIG_INVALID = "configuration invalid"
+    NOT_INSTALLED = "framework not installed"
+    UNSUPPORTED_VERSION = "framework version outside the supported range"
+    NOTHING_SERVED = "graft serves no part here"
+
+
+class Status(tuple):
+    """``(can activate, why)``, unpacks as before, with ``state``: a :class:`State`."""
+
+    state: State
+
+    def __new__(cls, state: State, why: str):
+        status = super().__new__(cls, (state is State.ACTIVE, why))
+        status.state = state
+        return status
 
 
 @dataclass
@@ -52,7 +75,7 @@ class FrameworkIntegration:
     left_out: Callable[[], dict] | None = None
     # Measured selection (issue 21): a part is taken over only where graft is known faster
     # here, i.e. a GRAFT_* variable orders its ops' backends or a tuning table names one of
-    # graft's backends for them (graft.tuning.graft_wanted); otherwise the framework's own
+    # graft's backends for them (graft.selection.graft_wanted); otherwise the framework's own
     # code stays, untouched, with that reason. Integrations that decide per part themselves
     # (vLLM's plugin) leave this False and say why in their reports.
     measured: bool = False
@@ -69,13 +92,16 @@ class FrameworkIntegration:
     def not_known_faster(self) -> dict:
         """``{part: why}`` for the parts graft steps aside from (``measured`` integrations):
         no GRAFT_* variable and no tuning table entry favours graft for any of their ops."""
-        if not self.measured:
-            return {}
-        from graft.tuning import graft_wanted
+        return self.not_wanted(self.needs) if self.measured else {}
+
+    def not_wanted(self, parts) -> dict:
+        """``{part: why}`` for those of ``parts`` graft is not known to serve faster here
+        (:func:`graft.selection.graft_wanted` is None for every op the part needs)."""
+        from graft.selection import graft_wanted
 
         return {part: ("graft is not known faster here (no tuning table entry or GRAFT_* variable favours graft for "
-                       + ", ".join(ops) + ")")
-                for part, ops in self.needs.items() if not any(graft_wanted(op) for op in ops)}
+                       + ", ".join(self.needs[part]) + ")")
+                for part in parts if not any(graft_wanted(op) for op in self.needs[part])}
 
     def left_parts(self, unavailable: dict | None = None) -> dict:
         """``{part: why}`` for every part the framework keeps: graft cannot serve its ops here
@@ -105,9 +131,10 @@ class FrameworkIntegration:
         served = [p for p in self.needs if p not in left]
         return {"served": served, "left": left, "expected_left": expected}
 
-    def report_layers(self, active: dict | None = None) -> None:
+    def report_layers(self, active: dict | None = None, not_served: set | frozenset = frozenset()) -> None:
         """Log at start-up, once per process: at INFO every layer graft serves (``active``:
-        the adapter's own summary, ``{part: status}``) and every layer left to the framework
+        the adapter's own summary, ``{part: status}``; ``not_served``: its parts that are in
+        the summary but left to the framework or failed) and every layer left to the framework
         with its reason; one WARNING line when layers a user would expect graft to serve on
         this platform are left out."""
         if self.name in _reported:
@@ -117,7 +144,7 @@ class FrameworkIntegration:
         logger = logging.getLogger(f"graft.integration.{self.name}")
         served = active if active is not None else {p: "served" for p in layers["served"]}
         served_text = ", ".join(f"{k} ({v})" for k, v in served.items()
-                                if k not in layers["left"] and not str(v).startswith(("off", "failed"))) or "nothing"
+                                if k not in layers["left"] and k not in not_served) or "nothing"
         left_text = _describe_off(layers["left"]) or "nothing"
         logger.info("graft: %s integration: served by graft: %s; left to %s: %s",
                     self.distribution, served_text, self.distribution, left_text)
@@ -133,34 +160,37 @@ class FrameworkIntegration:
                 return None
         return importable_version(self.module)
 
-    def status(self) -> tuple[bool, str]:
-        """(can activate, why) without activating."""
+    def status(self) -> Status:
+        """(can activate, why) without activating; ``.state`` says which case."""
         if "all" in config.split_list(config.current().get("GRAFT_DISABLE")):
-            return False, "GRAFT_DISABLE=all"
+            return Status(State.SWITCHED_OFF, "GRAFT_DISABLE=all")
         if self.env_var and not config.parse_bool(self.env_var, True):
-            return False, f"{self.env_var}=0"
-        invalid = _invalid_config()
+            return Status(State.SWITCHED_OFF, f"{self.env_var}=0")
+        from graft.selection import config_error
+
+        invalid = config_error()
         if invalid:
-            return False, f"graft's configuration is invalid: {invalid}"
+            return Status(State.CONFIG_INVALID, f"graft's configuration is invalid: {invalid}")
         version = self.installed_version()
         if version is None:
-            return False, f"{self.distribution} is not installed"
+            return Status(State.NOT_INSTALLED, f"{self.distribution} is not installed")
         try:
             ok = Version(version) in SpecifierSet(self.supported, prereleases=True)
         except InvalidVersion:
-            return False, f"{self.distribution} version {version!r} is not a valid version"
+            return Status(State.UNSUPPORTED_VERSION, f"{self.distribution} version {version!r} is not a valid version")
         if not ok:
-            return False, f"{self.distribution} {version} is outside the supported range {self.supported}"
+            return Status(State.UNSUPPORTED_VERSION,
+                          f"{self.distribution} {version} is outside the supported range {self.supported}")
         why = f"{self.distribution} {version} is within {self.supported}"
         unavailable = self.unavailable_parts()
         off = self.left_parts(unavailable)
         if off and len(off) == len(self.needs):
             if all(part in unavailable for part in off):
-                return False, "every part needs ops graft cannot serve here: " + _describe_off(off)
-            return False, "graft serves no part here: " + _describe_off(off)
+                return Status(State.NOTHING_SERVED, "every part needs ops graft cannot serve here: " + _describe_off(off))
+            return Status(State.NOTHING_SERVED, "graft serves no part here: " + _describe_off(off))
         if off:
             why += "; left to " + self.distribution + ": " + _describe_off(off)
-        return True, why
+        return Status(State.ACTIVE, why)
 
     def opt_in_enabled(self, off_message: str) -> bool:
         """For an integration a user opts into in the framework's own configuration (Megatron's
@@ -168,9 +198,9 @@ class FrameworkIntegration:
         or its variable), said at INFO with ``off_message`` (``%s``: the switch); otherwise the
         version checked (a clear error when missing or unsupported), the layers it serves and
         leaves reported once, and True."""
-        ok, why = self.status()
-        if not ok and why in ("GRAFT_DISABLE=all", f"{self.env_var}=0"):
-            logging.getLogger(f"graft.adapters.{self.name}").info(off_message, why)
+        status = self.status()
+        if status.state is State.SWITCHED_OFF:
+            logging.getLogger(f"graft.adapters.{self.name}").info(off_message, status[1])
             return False
         self.check_version()
         self.report_layers()
@@ -181,9 +211,9 @@ class FrameworkIntegration:
         version = self.installed_version()
         if version is None:
             raise GraftDependencyError(f"graft's {self.name} integration needs {self.distribution}, which is not installed")
-        ok, why = self.status()
-        if not ok and ("outside" in why or "valid version" in why):
-            raise GraftError(f"graft's {self.name} integration does not support this version: {why}")
+        status = self.status()
+        if status.state is State.UNSUPPORTED_VERSION:
+            raise GraftError(f"graft's {self.name} integration does not support this version: {status[1]}")
         return version
 
 
@@ -222,51 +252,16 @@ def importable_version(module: str) -> str | None:
     return "unknown"
 
 
-def _invalid_config() -> str | None:
-    """Why the GRAFT_* selection variables are invalid (every graft op would raise), or None."""
-    from graft.errors import GraftConfigError
-    from graft.plugins import get_registry
-
-    registry = get_registry()
-    try:
-        config.load_settings(registry.backends(), registry.families())
-    except GraftConfigError as exc:
-        return str(exc)
-    return None
-
-
 def _describe_off(off: dict) -> str:
     return ", ".join(f"{part} ({why})" for part, why in off.items())
 
 
 def op_unavailable(op: str) -> str | None:
-    """Why an integration must not hand ``op`` to graft here (None: graft serves it).
+    """Why an integration must not hand ``op`` to graft here (None: graft serves it); see
+    :func:`graft.selection.op_unavailable`."""
+    from graft.selection import op_unavailable as unavailable
 
-    Disabled ops and families (GRAFT_DISABLE) count even though graft's torch reference
-    would still run: the user switched graft's kernels off, so the framework keeps its own.
-    """
-    from graft.plugins import get_registry
-    from graft.selection import explain
-
-    registry = get_registry()
-    spec = registry.ops.get(op)
-    if spec is None:
-        return f"{op} is not registered (its adapter plugin is not loaded)"
-    try:
-        settings = config.load_settings(registry.backends(), registry.families())
-    except GraftError as exc:
-        return str(exc)
-    off = settings.is_disabled(op, spec.family)
-    if off:
-        return f"{op} is disabled by GRAFT_DISABLE={off}"
-    try:
-        decision = explain(registry, op)
-    except GraftError as exc:
-        return f"{op}: {exc}"
-    if decision.selected is None:
-        reasons = "; ".join(f"{c.impl.backend}: {c.reason}" for c in decision.candidates if c.reason)
-        return f"{op} has no implementation that can serve here ({reasons or 'none registered'})"
-    return None
+    return unavailable(op)
 
 
 _logged_off: set = set()

@@ -1,36 +1,65 @@
-"""Backend selection: which implementation serves a request, and why.
+"""Backend selection, in one place: which implementation serves a call, and why.
 
-Order of candidates for an op:
+Everything that decides is here; dispatch only caches the answer (per op, device, dtype,
+and per tuned shape bucket). The order of candidates for an op:
 
-1. the op's priority list (``GRAFT_<OP>``), else its family's (``GRAFT_<FAMILY>``),
-   else ``GRAFT_BACKENDS``, else the default ``hip,triton,torch``;
-2. backends not in that list follow in default order (so a list only reorders);
-3. the torch reference is last unless the list names it earlier;
+1. the op's priority list (``GRAFT_<OP>``), else its family's (``GRAFT_<FAMILY>``), else
+   ``GRAFT_BACKENDS`` (:attr:`Origin.OP_VARIABLE` ... :attr:`Origin.GLOBAL_VARIABLE`);
+2. else the installed plugins' default order (``graft_default_backend_priority``,
+   :attr:`Origin.PLUGIN_DEFAULT`), else the shipped default ``hip,triton,torch``
+   (:attr:`Origin.SHIPPED_DEFAULT`);
+3. backends not in that list follow in default order (a list only reorders), and the torch
+   reference is last unless the list names it earlier;
 4. where no variable set the order, a framework's own implementation that can serve
-   (``graft.framework_backend``: enabled where the framework runs) comes first; a tuning
-   table (``graft.tuning``, read by dispatch) puts graft's first for the shape buckets
-   where it was measured faster.
+   (:mod:`graft.framework_backend`) comes first (:attr:`Origin.FRAMEWORK_FIRST`), unless a
+   tuning table (:mod:`graft.tuning`) has an entry for the call's shape bucket: then the
+   entry's backend comes first (:attr:`Origin.TUNING_TABLE`).
 
 A candidate is skipped when it is disabled, cannot serve the device/dtype/arch, is
 unavailable in this environment, or rejects the call's arguments. Skipping a backend
 the user asked for explicitly is logged once as a warning (with ``GRAFT_STRICT=1`` it
 raises instead); routine skips are logged once at INFO.
+
+Whether a framework integration replaces a layer at all is decided here too
+(:func:`graft_wanted`, :func:`op_unavailable`): graft steps aside where it is not known
+faster. No other module reads the priority settings or a tuning table's choices
+(tests/test_selection_one_room.py checks it).
 """
 from __future__ import annotations
 
+import enum
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from graft import config
-from graft.errors import GraftUnsupportedError
-from graft.platform import dtype_name
-from graft.registry import Implementation, Registry
+from graft import config, tuning
+from graft.errors import GraftError, GraftUnsupportedError
+from graft.platform import device_info, dtype_name
+from graft.registry import Implementation, Registry, key_tensor
 
 log = logging.getLogger("graft.selection")
 
 FRAMEWORK_FIRST = "default (the framework's own code first: graft serves where a tuning table or a GRAFT_* variable says)"
+
+
+class Origin(enum.Enum):
+    """What set the order of an op's candidates (decisions compare these, never message text)."""
+
+    OP_VARIABLE = "GRAFT_<OP>"
+    FAMILY_VARIABLE = "GRAFT_<FAMILY>"
+    GLOBAL_VARIABLE = "GRAFT_BACKENDS"
+    PLUGIN_DEFAULT = "the installed plugins' default order"
+    SHIPPED_DEFAULT = "graft's default order (hip, triton, torch)"
+    FRAMEWORK_FIRST = "the framework's own code first (graft is not known faster here)"
+    TUNING_TABLE = "a tuning table entry for the call's shape bucket"
+
+    @property
+    def explicit(self) -> bool:
+        """Set by a GRAFT_* variable: never reordered by a default, framework or table."""
+        return self in (Origin.OP_VARIABLE, Origin.FAMILY_VARIABLE, Origin.GLOBAL_VARIABLE)
+
 
 _logged: set = set()
 _static_cache: dict = {}
@@ -43,24 +72,74 @@ class Candidate:
     reason: str | None  # None: can serve
 
 
+@dataclass(frozen=True)
+class Static:
+    """What selection knows before seeing a call's arguments, for one (op, device, dtype)."""
+
+    op: str
+    candidates: tuple  # Candidate, in order, each with its static reason
+    origin: Origin
+    source: str  # the variable that set the order, or "default", or FRAMEWORK_FIRST
+    requested: tuple  # the explicit priority list, if a variable set one
+    strict: bool
+    missing: tuple  # requested backends with no implementation of the op at all
+    table: dict | None  # tuning choices per shape bucket (None: no entry, or a variable set the order)
+
+    def usable(self) -> list:
+        return [c.impl for c in self.candidates if c.reason is None]
+
+
 @dataclass
 class Decision:
     op: str
     selected: Implementation | None
     candidates: list = field(default_factory=list)
-    source: str = "default"  # which variable decided the order
+    source: str = "default"  # which variable decided the order (text, for people)
     requested: tuple = ()  # the explicit priority list, if a variable set one
+    origin: Origin = Origin.SHIPPED_DEFAULT
+    choice: tuning.Choice | None = None  # the tuning table entry that put the selected one first
+    bucket: str | None = None  # the call's shape bucket (explain_call)
 
     @property
     def fell_back(self) -> bool:
         """True when an explicitly requested first-choice backend could not serve."""
         return bool(self.requested) and self.selected is not None and self.selected.backend != self.requested[0]
 
+    @property
+    def why(self) -> str:
+        """One line: why the selected implementation serves."""
+        if self.selected is None:
+            return "no implementation can serve"
+        if self.origin is Origin.TUNING_TABLE and self.choice is not None:
+            ratio = self.choice.ratio
+            faster = f", {ratio:.2f}x faster" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else ""
+            return f"tuning table {self.choice.source}: entry {self.choice.bucket!r} names {self.choice.backend}{faster}"
+        if self.origin.explicit:
+            text = f"{self.source}={','.join(self.requested)}"
+        else:
+            text = self.origin.value
+        passed = [c.impl.backend for c in self.candidates[: self._index()] if c.reason]
+        if passed:  # each candidate's reason is in self.candidates
+            text += "; passed over (cannot serve here): " + ", ".join(dict.fromkeys(passed))
+        return text
+
+    def _index(self) -> int:
+        for i, c in enumerate(self.candidates):
+            if c.impl is self.selected:
+                return i
+        return len(self.candidates)
+
     def as_dict(self) -> dict:
         return {
             "op": self.op,
             "selected": None if self.selected is None else _impl_dict(self.selected),
             "source": self.source,
+            "origin": self.origin.name,
+            "why": self.why,
+            "bucket": self.bucket,
+            "table_entry": None if self.choice is None else {
+                "backend": self.choice.backend, "provider": self.choice.provider, "ratio": self.choice.ratio,
+                "table": self.choice.source, "bucket": self.choice.bucket},
             "requested": list(self.requested),
             "fell_back": self.fell_back,
             "candidates": [dict(_impl_dict(c.impl), usable=c.reason is None, reason=c.reason) for c in self.candidates],
@@ -70,6 +149,15 @@ class Decision:
 def _impl_dict(impl: Implementation) -> dict:
     return {"backend": impl.backend, "provider": impl.provider, "description": impl.description,
             "checks_each_call": impl.check is not None}
+
+
+def device_key(device) -> tuple:
+    """(device type, arch) that selection decides for, from a torch.device (None: cpu)."""
+    if device is None:
+        return "cpu", "cpu"
+    if device.type == "cuda":
+        return "cuda", device_info(device).arch
+    return device.type, device.type
 
 
 def _ordered_backends(priority: tuple, default: tuple, registry_backends: set) -> list:
@@ -82,19 +170,32 @@ def _ordered_backends(priority: tuple, default: tuple, registry_backends: set) -
     return order
 
 
-def settings_for(registry: Registry, device_type: str, arch) -> config.Settings:
-    """The parsed selection settings for a device, cached per configuration generation."""
+def _plugin_default(registry: Registry, device_type: str, arch):
+    return registry.default_priority(device_type, arch) if registry.default_priority else None
+
+
+def settings_for(registry: Registry, device_type: str = "cpu", arch=None) -> config.Settings:
+    """The parsed selection settings for a device, cached per configuration generation
+    (GraftConfigError when a variable is invalid)."""
     generation = config.current().generation
     key = (id(registry), device_type, arch, generation)
     settings = _settings_cache.get(key)
     if settings is None:
-        default = registry.default_priority(device_type, arch) if registry.default_priority else None
-        settings = config.load_settings(registry.backends(), registry.families(), default_priority=default)
+        settings = config.load_settings(registry.backends(), registry.families(),
+                                        default_priority=_plugin_default(registry, device_type, arch))
         _settings_cache[key] = settings
     return settings
 
 
-def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arch):
+def _origin_of(op: str, var: str | None, plugin_default) -> Origin:
+    if var is None:
+        return Origin.PLUGIN_DEFAULT if plugin_default else Origin.SHIPPED_DEFAULT
+    if var == "GRAFT_BACKENDS":
+        return Origin.GLOBAL_VARIABLE
+    return Origin.OP_VARIABLE if var == config.op_env_var(op) else Origin.FAMILY_VARIABLE
+
+
+def static(registry: Registry, op: str, device_type: str, dtype, arch) -> Static:
     """Candidates in priority order with their static reasons; cached per config generation."""
     key = (id(registry), len(registry.impls.get(op, ())), op, device_type, dtype, arch, config.current().generation)
     hit = _static_cache.get(key)
@@ -103,12 +204,8 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
     spec = registry.op(op)
     settings = settings_for(registry, device_type, arch)
     priority, var = settings.priority_for(op, spec.family)
-    requested = tuple(priority) if var is not None else ()
-    if var is None:  # no variable chose the order: the per-op default (measured preferences) applies
-        from graft import priorities
-
-        priority, why = priorities.apply(op, device_type, tuple(priority))
-        var = f"default (graft.priorities: {why})" if why else None
+    origin = _origin_of(op, var, _plugin_default(registry, device_type, arch))
+    requested = tuple(priority) if origin.explicit else ()
     by_backend: dict = {}
     for impl in registry.implementations(op):
         by_backend.setdefault(impl.backend, []).append(impl)
@@ -130,21 +227,46 @@ def _static_candidates(registry: Registry, op: str, device_type: str, dtype, arc
             else:
                 reason = impl.static_reason(device_type, dtype, arch)
             candidates.append(Candidate(impl, reason))
-    if var is None or var.startswith("default"):
+    source = var or "default"
+    if not origin.explicit:
         # No variable chose the order: the framework's own code serves first where it can
         # (graft.framework_backend); a tuning table moves graft's in front per shape bucket.
         first = [c for c in candidates if c.impl.framework and c.reason is None]
         if first:
             candidates = first + [c for c in candidates if not any(c is f for f in first)]
-            var = FRAMEWORK_FIRST
+            origin, source = Origin.FRAMEWORK_FIRST, FRAMEWORK_FIRST
     # Requested backends with no implementation of this op at all: GRAFT_STRICT=1 refuses
     # to run anything ranked below them.
     missing = tuple(b for b in requested if b not in by_backend)
-    result = (candidates, var or "default", requested, settings.strict, missing)
+    usable = any(c.reason is None for c in candidates)
+    # A GRAFT_* variable's order is never tuned away.
+    table = tuning.choices(op, device_type, dtype) if usable and not origin.explicit else None
+    result = Static(op, tuple(candidates), origin, source, requested, settings.strict, missing, table)
     if len(_static_cache) > 4096:
         _static_cache.clear()
     _static_cache[key] = result
     return result
+
+
+def table_choice(st: Static, args: tuple, kwargs: dict) -> tuning.Choice | None:
+    """The tuning table entry for this call's shape bucket (None: no table, or no entry)."""
+    if st.table is None:
+        return None
+    return tuning.lookup(st.table, st.op, args, kwargs)
+
+
+def tuned_order(st: Static, choice: tuning.Choice) -> tuple | None:
+    """The statically usable implementations with the table entry's first (its provider's,
+    else another of its backend); None when the entry's backend cannot serve here."""
+    usable = st.usable()
+    chosen = [i for i in usable if i.backend == choice.backend and i.provider == choice.provider]
+    chosen = chosen or [i for i in usable if i.backend == choice.backend]
+    if not chosen:
+        _log_once_eager(logging.INFO, repr(("table", st.op, choice.bucket, choice.backend)),
+                        f"tuning table {choice.source} names {choice.backend} for {st.op} {choice.bucket}, which "
+                        f"cannot serve here; the default order serves")
+        return None
+    return tuple(chosen + [i for i in usable if not any(i is c for c in chosen)])
 
 
 def _log_once_eager(level: int, key: str, message: str) -> None:
@@ -184,26 +306,37 @@ def decide(
     args: tuple | None = None,
     kwargs: dict | None = None,
 ) -> Decision:
-    """Choose the implementation for one request. ``args`` enables per-call checks."""
-    static, source, requested, strict, missing = _static_candidates(registry, op, device_type, dtype, arch)
+    """Choose the implementation for one request. ``args`` enables per-call checks and the
+    tuning table entry of the call's shape bucket."""
+    st = static(registry, op, device_type, dtype, arch)
+    ordered = list(st.candidates)
+    origin, source, choice = st.origin, st.source, None
+    if args is not None:
+        found = table_choice(st, args, kwargs or {})
+        order = tuned_order(st, found) if found is not None else None
+        if found is not None and order is not None:
+            choice = found
+            front = [c for impl in order for c in st.candidates if c.impl is impl]
+            ordered = front + [c for c in st.candidates if not any(c is f for f in front)]
+            origin, source = Origin.TUNING_TABLE, f"tuning table {choice.source}"
     candidates = []
     selected = None
-    for cand in static:
+    for cand in ordered:
         reason = cand.reason
         if reason is None and args is not None and cand.impl.check is not None:
             reason = cand.impl.call_reason(args, kwargs or {})
         candidates.append(Candidate(cand.impl, reason))
         if reason is None and selected is None:
             selected = cand.impl
-    decision = Decision(op, selected, candidates, source, requested)
+    decision = Decision(op, selected, candidates, source, st.requested, origin, choice)
     if selected is None:
         raise GraftUnsupportedError(f"no implementation of {op} can serve this request:\n" + _reasons(candidates))
-    if strict:
-        check_missing(op, source, requested, missing, selected.backend)
+    if st.strict:
+        check_missing(op, source, st.requested, st.missing, selected.backend)
     # Only candidates ranked above the selected one were really passed over.
-    for cand in candidates[: candidates.index(next(c for c in candidates if c.impl is selected))]:
-        explicit = cand.impl.backend in requested
-        if explicit and strict:
+    for cand in candidates[: decision._index()]:
+        explicit = cand.impl.backend in st.requested
+        if explicit and st.strict:
             raise GraftUnsupportedError(
                 f"{source} asks for backend {cand.impl.backend!r} for {op}, which cannot serve this request "
                 f"({cand.reason}); GRAFT_STRICT=1 forbids falling back"
@@ -236,15 +369,117 @@ def _reasons(candidates) -> str:
 
 def explain(registry: Registry, op: str, device=None, dtype=None, arch=None) -> Decision:
     """What would serve ``op`` on ``device`` (default: this machine's) for ``dtype``;
-    ``arch`` ("sm_90", "gfx942") asks about a GPU this machine need not have."""
-    from graft.platform import device_info
-
+    ``arch`` ("sm_90", "gfx942") asks about a GPU this machine need not have. Without a
+    call's arguments no tuning table entry applies: :func:`explain_call` says per shape."""
     info = device_info(device, arch=arch)
     try:
         return decide(registry, op, info.type, dtype, info.arch)
     except GraftUnsupportedError:
-        static, source, requested, _, _ = _static_candidates(registry, op, info.type, dtype, info.arch)
-        return Decision(op, None, list(static), source, requested)
+        st = static(registry, op, info.type, dtype, info.arch)
+        return Decision(op, None, list(st.candidates), st.source, st.requested, st.origin)
+
+
+def explain_call(registry: Registry, op: str, args: tuple, kwargs: dict | None = None) -> Decision:
+    """What serves ``op(*args, **kwargs)`` and why: the same decision dispatch takes for
+    this call (the arguments are validated first: GraftInputError names a bad one),
+    including the tuning table entry of its shape bucket."""
+    kwargs = kwargs or {}
+    spec = registry.op(op)
+    if spec.validate is not None:
+        spec.validate(*args, **kwargs)
+    tensor = key_tensor(spec, args, kwargs)
+    device_type, arch = device_key(None if tensor is None else tensor.device)
+    dtype = None if tensor is None else tensor.dtype
+    bucket = tuning.bucket(op, args, kwargs)
+    try:
+        decision = decide(registry, op, device_type, dtype, arch, args, kwargs)
+    except GraftUnsupportedError:
+        st = static(registry, op, device_type, dtype, arch)
+        decision = Decision(op, None, list(st.candidates), st.source, st.requested, st.origin)
+    decision.bucket = bucket
+    return decision
+
+
+# --------------------------------------------------------------------------- framework layers
+
+
+def config_error(registry: Registry | None = None) -> str | None:
+    """Why the GRAFT_* selection variables are invalid (every graft op would raise), or None."""
+    from graft.plugins import get_registry
+
+    try:
+        settings_for(registry or get_registry())
+    except GraftError as exc:
+        return str(exc)
+    return None
+
+
+def explicitly_requested(op: str, backend: str) -> bool:
+    """Did the user name ``backend`` in the priority variable that applies to ``op``?
+
+    Implementations that are correct but not faster on some device (the CPU) step aside
+    unless asked for by name; asked when a call signature is first planned, not per call."""
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    priority, var = settings_for(registry).priority_for(op, registry.op(op).family)
+    return var is not None and backend in priority
+
+
+def graft_wanted(op: str, device_type: str | None = None, dtype=None) -> str | None:
+    """Why graft (not the framework's own code) should serve ``op`` somewhere on this device:
+    a ``GRAFT_*`` variable that orders the op's backends, or a table entry naming a backend
+    that is not a framework's; None when the framework's own code serves every shape. An
+    integration leaves its layer as the framework built it (no graft call at all) when this
+    is None for every op the layer needs. ``dtype`` None: any dtype."""
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    spec = registry.op(op)
+    order, var = settings_for(registry).priority_for(op, spec.family)
+    frameworks = {i.backend for i in registry.implementations(op) if i.framework}
+    if var is not None:
+        if order and order[0] not in frameworks:
+            return f"{var} puts {order[0]} first"
+        return None
+    entry = tuning.first_entry(op, device_type, dtype, exclude_backends=frameworks)
+    if entry is None:
+        return None
+    source, e_dtype, e_bucket, backend, ratio = entry
+    faster = f" ({ratio:.2f}x faster)" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else ""
+    return f"{source}: {backend} for {e_dtype} {e_bucket}{faster}"
+
+
+def op_unavailable(op: str) -> str | None:
+    """Why an integration must not hand ``op`` to graft here (None: graft serves it).
+
+    Disabled ops and families (GRAFT_DISABLE) count even though graft's torch reference
+    would still run: the user switched graft's kernels off, so the framework keeps its own.
+    """
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    spec = registry.ops.get(op)
+    if spec is None:
+        return f"{op} is not registered (its adapter plugin is not loaded)"
+    try:
+        settings = settings_for(registry)
+    except GraftError as exc:
+        return str(exc)
+    off = settings.is_disabled(op, spec.family)
+    if off:
+        return f"{op} is disabled by GRAFT_DISABLE={off}"
+    try:
+        decision = explain(registry, op)
+    except GraftError as exc:
+        return f"{op}: {exc}"
+    if decision.selected is None:
+        reasons = "; ".join(f"{c.impl.backend}: {c.reason}" for c in decision.candidates if c.reason)
+        return f"{op} has no implementation that can serve here ({reasons or 'none registered'})"
+    return None
+
+
+# --------------------------------------------------------------------------- caches
 
 
 def reset_caches() -> None:

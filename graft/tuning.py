@@ -2,9 +2,9 @@
 
 ``graft tune`` (:mod:`graft.tools.tune`) measures every implementation of an op that can serve a
 shape on this device, the framework's own included (:mod:`graft.framework_backend`), and
-writes the winner of each shape bucket to a table. Dispatch reads the tables on its cold
-path only (when it builds a plan, and per argument signature before remembering it): a
-remembered call costs nothing more. Where no ``GRAFT_*`` variable sets an op's order:
+writes the winner of each shape bucket to a table. Selection (:mod:`graft.selection`) reads
+the tables on dispatch's cold path only (when a plan is built, and per argument signature
+before it is remembered): a remembered call costs nothing more. Where no ``GRAFT_*`` variable sets an op's order:
 
 * a bucket with a table entry is served by the entry's backend first (then the usual order);
 * a bucket without one keeps the default order, in which the framework's own code, where it
@@ -339,82 +339,16 @@ def lookup(table_choices: dict, op: str, args: tuple, kwargs: dict) -> Choice | 
     return table_choices.get(key)
 
 
-class PlanTuner:
-    """A dispatch plan's tuned variants: per shape bucket with a table entry, the plan whose
-    implementations start with the entry's (built on first use; cold path only)."""
-
-    __slots__ = ("choices", "default", "usable", "make_plan", "variants")
-
-    def __init__(self, table_choices: dict, default, usable: list, make_plan):
-        self.choices = table_choices
-        self.default = default  # the plan of buckets without an entry
-        self.usable = usable  # every statically usable implementation, in the default order
-        self.make_plan = make_plan  # impls -> a plan like the default one
-        self.variants: dict = {}  # bucket -> plan (or None: the entry's backend cannot serve here)
-
-    def plan(self, op: str, args: tuple, kwargs: dict):
-        """The plan for this call's shape bucket (the default plan where the bucket has no entry)."""
-        choice = lookup(self.choices, op, args, kwargs)
-        variant = None if choice is None else self.variant(choice)
-        return variant if variant is not None else self.default
-
-    def variant(self, choice: Choice):
-        if choice.bucket in self.variants:
-            return self.variants[choice.bucket]
-        # The entry's implementation; another of its backend if that provider is gone.
-        chosen = [i for i in self.usable if i.backend == choice.backend and i.provider == choice.provider]
-        chosen = chosen or [i for i in self.usable if i.backend == choice.backend]
-        plan = None
-        if chosen:
-            order = chosen + [i for i in self.usable if not any(i is c for c in chosen)]
-            impls = []
-            for impl in order:  # as dispatch's plans: up to the first impl without a per-call check
-                impls.append(impl)
-                if impl.check is None:
-                    break
-            plan = self.make_plan(tuple(impls))
-        else:
-            log.info("tuning table %s names %s for %s, which cannot serve here; the default order serves",
-                     choice.source, choice.backend, choice.bucket)
-        self.variants[choice.bucket] = plan
-        return plan
-
-
-def tuner(op: str, device_type: str, dtype, default, usable: list, make_plan) -> PlanTuner | None:
-    """The tuned variants of a dispatch plan, or None when no table has an entry for ``op``
-    and ``dtype`` here (dispatch then does nothing more per call)."""
-    table_choices = choices(op, device_type, dtype)
-    if table_choices is None:
-        return None
-    return PlanTuner(table_choices, default, usable, make_plan)
-
-
-def graft_wanted(op: str, device_type: str | None = None, dtype=None) -> str | None:
-    """Why graft (not the framework's own code) should serve ``op`` somewhere on this device:
-    a ``GRAFT_*`` variable that orders the op's backends, or a table entry naming a backend
-    that is not a framework's; None when the framework's own code serves every shape. An
-    integration leaves its layer as the framework built it (no graft call at all) when this
-    is None for every op the layer needs. ``dtype`` None: any dtype."""
-    from graft.plugins import get_registry
-
-    registry = get_registry()
-    spec = registry.op(op)
-    settings = config.load_settings(registry.backends(), registry.families())
-    order, var = settings.priority_for(op, spec.family)
-    frameworks = {i.backend for i in registry.implementations(op) if i.framework}
-    if var is not None:
-        if order and order[0] not in frameworks:
-            return f"{var} puts {order[0]} first"
-        return None
+def first_entry(op: str, device_type: str | None = None, dtype=None, exclude_backends=()) -> tuple | None:
+    """The first entry for ``op`` (and ``dtype``; None: any) in the tables that apply here
+    whose backend is not in ``exclude_backends``: ``(table, dtype, bucket, backend, ratio)``."""
     name = dtype_name(dtype) if dtype is not None else None
     for table in tables(device_type):
         if not table.used:
             continue
         for (e_op, e_dtype, e_bucket), entry in table.entries.items():
-            if e_op == op and (name is None or e_dtype == name) and entry["backend"] not in frameworks:
-                ratio = entry.get("ratio")
-                faster = f" ({ratio:.2f}x faster)" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else ""
-                return f"{table.source}: {entry['backend']} for {e_dtype} {e_bucket}{faster}"
+            if e_op == op and (name is None or e_dtype == name) and entry["backend"] not in exclude_backends:
+                return table.source, e_dtype, e_bucket, entry["backend"], entry.get("ratio")
     return None
 
 

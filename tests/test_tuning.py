@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from graft import framework_backend, tuning
+from graft import framework_backend, selection, tuning
 from graft.errors import GraftConfigError
 from graft.hookspecs import hookimpl
 
@@ -170,17 +170,17 @@ def test_explicit_variable_wins_over_the_table(tmp_path, toy, monkeypatch):
     assert _served(100) == "torch"
     monkeypatch.setenv("GRAFT_FUSED_SILU_AND_MUL", FW)
     assert _served(10) == FW
-    assert tuning.graft_wanted(OP) is None  # the variable puts the framework first
+    assert selection.graft_wanted(OP) is None  # the variable puts the framework first
 
 
 def test_graft_wanted_says_why(tmp_path, toy, monkeypatch):
-    assert tuning.graft_wanted(OP) is None
+    assert selection.graft_wanted(OP) is None
     monkeypatch.setenv("GRAFT_BACKENDS", "torch")
-    assert tuning.graft_wanted(OP) == "GRAFT_BACKENDS puts torch first"
+    assert selection.graft_wanted(OP) == "GRAFT_BACKENDS puts torch first"
     monkeypatch.delenv("GRAFT_BACKENDS")
     path = _table(tmp_path, [_entry("t<=16 x=[t,64]", "torch", ratio=1.31), _entry("t<=1 x=[t,64]", FW)])
     monkeypatch.setenv("GRAFT_TUNING_TABLE", path)
-    assert tuning.graft_wanted(OP) == f"{path}: torch for float32 t<=16 x=[t,64] (1.31x faster)"
+    assert selection.graft_wanted(OP) == f"{path}: torch for float32 t<=16 x=[t,64] (1.31x faster)"
 
 
 def test_a_table_naming_an_unusable_backend_keeps_the_default(tmp_path, toy, monkeypatch):
@@ -278,16 +278,18 @@ def test_framework_implementation_must_be_named_after_its_framework(fresh_graft)
 
 
 def test_vllm_parts_stay_vllms_own_unless_graft_is_known_faster(tmp_path, fresh_graft, monkeypatch):
-    from graft.adapters.vllm.plugin import _left_to_vllm
+    from graft.adapters.vllm.integration import INTEGRATION
+    from graft.adapters.vllm.plugin import OPT_IN_PARTS
 
-    left = _left_to_vllm(("rms_norm", "linear", "moe", "attention"))
-    assert set(left) == {"rms_norm", "linear", "moe"}  # attention changes nothing unless selected
+    assert "attention" in OPT_IN_PARTS  # attention changes nothing unless selected
+    left = INTEGRATION.not_wanted(("rms_norm", "linear", "moe"))
+    assert set(left) == {"rms_norm", "linear", "moe"}
     assert "graft is not known faster here" in left["rms_norm"]
     monkeypatch.setenv("GRAFT_TUNING_TABLE", _table(tmp_path, [
         _entry("t<=16 x=[t,64] weight=[64] residual=None", "torch", op="fused.rms_norm")]))
-    assert set(_left_to_vllm(("rms_norm", "linear"))) == {"linear"}
+    assert set(INTEGRATION.not_wanted(("rms_norm", "linear"))) == {"linear"}
     monkeypatch.setenv("GRAFT_GEMM", "torch")
-    assert _left_to_vllm(("rms_norm", "linear")) == {}
+    assert INTEGRATION.not_wanted(("rms_norm", "linear")) == {}
 
 
 # --------------------------------------------------------------------------- graft tune
@@ -419,7 +421,7 @@ def test_tune_keeps_the_framework_where_its_code_cannot_be_measured(tmp_path, fr
         (entry,) = _tune_one_shape(tmp_path)["entries"]
         assert entry["backend"] == FW and entry["ratio"] is None and "could not be measured here" in entry["note"]
         monkeypatch.setenv("GRAFT_TUNING_TABLE", str(tmp_path / "t.json"))
-        assert tuning.graft_wanted(OP) is None
+        assert selection.graft_wanted(OP) is None
     finally:
         framework_backend.disable(FW)
 

@@ -12,6 +12,7 @@ import atexit
 import os
 import sys
 
+from graft.after_import import after_import
 from graft.config import declare_env_var
 
 DIR_VAR = declare_env_var("GRAFT_PROFILE_DIR", "set by graft profile: the folder each process of the job records into")
@@ -45,44 +46,3 @@ def _begin(out: str, steps: int, warmup: int) -> None:
 
     session.begin(out, steps=steps, warmup=warmup)
     atexit.register(session.finish_at_exit)
-
-
-class _ImportWatcher:
-    """A meta-path finder that calls ``then(module)`` right after ``name`` is imported.
-
-    It stays in place until the module really executes: a bare
-    ``importlib.util.find_spec(name)`` (vLLM asks whether torch is there before importing
-    it) also lands here, and its spec is thrown away."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then, self.busy = name, then, False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name or self.busy:
-            return None
-        import importlib.util
-
-        self.busy = True  # the lookup below asks the finders again, this one included
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self.busy = False
-        loader = getattr(spec, "loader", None)
-        if loader is not None and hasattr(loader, "exec_module"):
-            run_module = loader.exec_module
-
-            def exec_module(module):
-                if self in sys.meta_path:
-                    sys.meta_path.remove(self)
-                run_module(module)
-                self.then(module)
-
-            loader.exec_module = exec_module
-        return spec
-
-
-def after_import(name: str, then) -> None:
-    if name in sys.modules:
-        then(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _ImportWatcher(name, then))

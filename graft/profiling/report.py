@@ -41,11 +41,11 @@ def framework_speed(op: str, backend: str, buckets: list):
         tuning = importlib.import_module("graft.tuning")
     except ImportError:
         return None
-    lookup = getattr(tuning, "speed_vs_framework", None)
-    if lookup is None:
+    speed = getattr(tuning, "speed_vs_framework", None)
+    if speed is None:
         return None
     try:
-        value = lookup(op, backend, buckets)
+        value = speed(op, backend, buckets)
     except Exception:
         return None
     return float(value) if isinstance(value, (int, float)) else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from graft.profiling import analysis, ranges, shapes
-from graft.profiling.boot import after_import
+from graft.after_import import after_import
 
 
 class Recorder:

@@ -19,6 +19,11 @@ def add_arguments(parser) -> None:
                         help="decide for this GPU architecture (sm_90, gfx942...) instead of the local device's")
     parser.add_argument("--dtype", default=None, help="dtype to decide for (default: each op's first supported dtype)")
     parser.add_argument("--op", action="append", default=None, help="only these ops (repeatable)")
+    parser.add_argument("--shape", default=None, metavar="SHAPES",
+                        help="with one --op: what a call of these shapes gets and why (the tuning table entry of its "
+                             "shape bucket included). The op's tensor arguments in order, comma-separated, dimensions "
+                             "joined by x ('16x256,256'), or by name ('x=16x256,weight=256'); 'none' passes None; "
+                             "arguments not given take the op's first test case's values")
 
 
 def _dtype(name: str | None):
@@ -215,8 +220,116 @@ def _check_device(name: str | None) -> None:
                                "'cuda' in torch); use --arch to ask about a GPU this machine doesn't have")
 
 
+def _parse_dims(op: str, text: str):
+    text = text.strip().lower()
+    if text in ("none", "null"):
+        return None
+    try:
+        dims = [int(d) for d in text.split("x")] if text not in ("", "scalar") else []
+    except ValueError:
+        dims = None
+    if dims is None or any(d < 0 for d in dims):
+        raise GraftConfigError(f"--shape {text!r} for {op}: give dimensions joined by x (e.g. 16x256), "
+                               "'scalar' for a 0-d tensor or 'none' for None")
+    return dims
+
+
+def call_arguments(op: str, shapes: str, device, dtype) -> tuple:
+    """Arguments of one call of ``op`` with the tensor shapes ``shapes`` (see --shape): the
+    op's first conformance case on ``device`` and ``dtype``, its tensors redrawn at those
+    shapes (floating: random normal; integer: random below the case's largest value + 1)."""
+    import inspect
+
+    from graft.plugins import get_host
+    from graft.tools.conformance.cases import all_cases
+
+    host = get_host()
+    registry = host.registry
+    spec = registry.op(op)
+    dtype = dtype if dtype is not None else spec.dtypes[0] if spec.dtypes else torch.float32
+    cases = [c for c in all_cases(host, registry) if c.op == op and dtype in c.dtypes]
+    if not cases:
+        raise GraftConfigError(f"--shape: {op} has no test case for {dtype_name(dtype)} to take its other "
+                               "arguments from; call graft.explain(op, *args) in Python instead")
+    args, kwargs = cases[0].inputs(device, dtype)
+    args = list(args)
+    names = list(inspect.signature(spec.reference).parameters)
+    tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                    or (a is None and i < len(names))]
+    items = [item for item in shapes.split(",") if item.strip()]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for n, item in enumerate(items):
+        if "=" in item:
+            name, dims_text = item.split("=", 1)
+            name = name.strip()
+            if name not in names or names.index(name) >= len(args):
+                raise GraftConfigError(f"--shape: {op} has no positional argument {name!r}; its arguments are "
+                                       + ", ".join(names[: len(args)]))
+            slot = names.index(name)
+        else:
+            if n >= len(tensor_slots):
+                raise GraftConfigError(f"--shape: {op} takes {len(tensor_slots)} tensor argument(s) "
+                                       f"({', '.join(names[i] for i in tensor_slots)}), {len(items)} shapes given")
+            slot, dims_text = tensor_slots[n], item
+        dims = _parse_dims(op, dims_text)
+        old = args[slot]
+        if dims is None:
+            args[slot] = None
+            continue
+        like = old if isinstance(old, torch.Tensor) else torch.empty(0, dtype=dtype)
+        if like.dtype.is_floating_point:
+            new = torch.randn(dims, generator=gen).to(like.dtype)
+        elif like.dtype == torch.bool:
+            new = torch.randint(0, 2, dims, generator=gen).bool()
+        else:
+            high = int(like.max()) + 1 if like.numel() else 2
+            new = torch.randint(0, max(high, 1), dims, generator=gen).to(like.dtype)
+        args[slot] = new.to(device)
+    return tuple(args), kwargs
+
+
+def explain_shape(op: str, shapes: str, device=None, dtype=None) -> dict:
+    """What a call of ``op`` with ``shapes`` gets on ``device``, and why (graft.selection.explain_call)."""
+    from graft.plugins import get_registry
+    from graft.selection import explain_call
+
+    device = torch.device(device) if device else default_device()
+    args, kwargs = call_arguments(op, shapes, device, dtype)
+    decision = explain_call(get_registry(), op, args, kwargs)
+    entry = decision.as_dict()
+    entry["arguments"] = [f"{tuple(a.shape)} {dtype_name(a.dtype)}" if isinstance(a, torch.Tensor) else repr(a)
+                          for a in args]
+    entry["device"] = str(device)
+    return entry
+
+
+def render_shape(entry: dict) -> str:
+    selected = entry["selected"]
+    lines = [f"{entry['op']} on {entry['device']}: arguments {', '.join(entry['arguments'])}",
+             f"  shape bucket: {entry['bucket']}"]
+    if selected is None:
+        lines.append("  ! nothing can serve this call here")
+    else:
+        lines.append(f"  served by: {selected['backend']} ({selected['provider']})")
+    lines.append(f"  why: {entry['why']}")
+    for c in entry["candidates"]:
+        mark = ">" if selected is not None and (c["backend"], c["provider"]) == (selected["backend"], selected["provider"]) else " "
+        lines.append(f"    {mark} {c['backend']:<10} ({c['provider']}) {c['reason'] or 'ok'}")
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     _check_device(args.device)
+    if args.shape is not None:
+        if not args.op or len(args.op) != 1:
+            raise GraftConfigError("--shape asks about one call: give exactly one --op with it")
+        entry = explain_shape(args.op[0], args.shape, device=args.device, dtype=_dtype(args.dtype))
+        if args.json:
+            json.dump(entry, sys.stdout, indent=2, default=str)
+            sys.stdout.write("\n")
+        else:
+            print(render_shape(entry))
+        return 0
     report = collect(device=args.device, dtype=_dtype(args.dtype), ops=args.op, arch=args.arch)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)

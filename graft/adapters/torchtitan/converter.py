@@ -14,7 +14,7 @@ What it swaps (exact TorchTitan types only; a model's own subclass keeps its for
 
 A part is swapped only where graft is wanted (measured selection, as every integration: a
 ``GRAFT_*`` variable that orders its op's backends, e.g. ``GRAFT_BACKENDS=torch``, or a tuning
-table entry naming a graft backend for it, see :func:`graft.tuning.graft_wanted`); otherwise
+table entry naming a graft backend for it, see :func:`graft.selection.graft_wanted`); otherwise
 it stays TorchTitan's module with the reason in the report.
 
 Everything else stays TorchTitan's; the converter logs, once per conversion, what it swapped
@@ -60,10 +60,10 @@ def _replace(root, new, parent, attr):
 
 
 def wanted(part: str) -> str | None:
-    """Why graft should serve ``part`` (measured selection, :func:`graft.tuning.graft_wanted`):
+    """Why graft should serve ``part`` (measured selection, :func:`graft.selection.graft_wanted`):
     a GRAFT_* variable or a tuning table entry favouring graft for one of its ops; None: the
     part stays TorchTitan's own module (no graft call at all)."""
-    from graft.tuning import graft_wanted
+    from graft.selection import graft_wanted
 
     for op in integration.NEEDS[part]:
         why = graft_wanted(op)

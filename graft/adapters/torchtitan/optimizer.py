@@ -117,7 +117,7 @@ _GRAFT = {"Adam": GraftAdam, "AdamW": GraftAdamW}
 
 def wanted() -> str | None:
     """Why graft should serve the optimizer step (measured selection); None: torch's own."""
-    from graft.tuning import graft_wanted
+    from graft.selection import graft_wanted
 
     return graft_wanted("fused.adam_step")
 

@@ -85,6 +85,7 @@ def activate() -> dict:
         from graft.integration import log_part_off
 
         summary: dict = {}
+        failed: set = set()
         off = INTEGRATION.unavailable_parts()
         for part in selected_parts():
             if part in off:  # graft cannot serve its ops here: vLLM keeps its own layer
@@ -95,7 +96,10 @@ def activate() -> dict:
         from graft import framework_backend
 
         framework_backend.enable("vllm")
-        for part, why in _left_to_vllm(p for p in selected_parts() if p not in off).items():
+        # graft.selection decides (graft_wanted); opt-in parts change nothing unless selected.
+        candidates = [p for p in selected_parts() if p not in off and p not in OPT_IN_PARTS]
+        left_to_vllm = INTEGRATION.not_wanted(candidates)
+        for part, why in left_to_vllm.items():
             summary[part] = f"vLLM's own: {why}"
             log.info("graft: vLLM's %s stays vLLM's own code: %s", part, why)
         parts = tuple(p for p in selected_parts() if p not in off and p not in summary)
@@ -108,32 +112,17 @@ def activate() -> dict:
                 summary.update(module.register(parts))
             except Exception as exc:  # one broken part must not keep the others out
                 summary[part] = f"failed: {type(exc).__name__}: {exc}"
+                failed.add(part)
                 log.warning("graft: could not register %s with vLLM: %s: %s", part, type(exc).__name__, exc)
         _warm_graft_registry()
         _summary = summary
-        INTEGRATION.report_layers(summary)  # INFO: served and left; WARNING: expected parts left out
+        not_served = set(off) | set(left_to_vllm) | failed
+        INTEGRATION.report_layers(summary, not_served)  # INFO: served and left; WARNING: expected parts left out
         return summary
 
 
 # Parts that change nothing unless a user selects them (vLLM's attention backend choice).
 OPT_IN_PARTS = ("attention",)
-
-
-def _left_to_vllm(parts) -> dict:
-    """``{part: why}`` for the parts graft is not known to serve faster than vLLM here: no
-    GRAFT_* variable orders their ops' backends and no tuning table entry (graft.tuning)
-    names a backend other than vLLM's own for them."""
-    from graft.adapters.vllm.integration import INTEGRATION
-    from graft.tuning import graft_wanted
-
-    left = {}
-    for part in parts:
-        if part in OPT_IN_PARTS:
-            continue
-        if not any(graft_wanted(op) for op in INTEGRATION.needs[part]):
-            left[part] = ("graft is not known faster here (no tuning table entry or GRAFT_* variable favours graft "
-                          "for " + ", ".join(INTEGRATION.needs[part]) + ")")
-    return left
 
 
 def _warm_graft_registry() -> None:

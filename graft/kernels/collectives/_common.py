@@ -205,22 +205,6 @@ def quantized_min_bytes() -> int:
     return settings().quantized_min_bytes
 
 
-def explicitly_requested(op: str, backend: str) -> bool:
-    """Did the user name ``backend`` in the priority variable that graft's selection uses for ``op``?
-
-    Implementations that are correct but not faster on some device (the CPU) step aside
-    unless asked for by name. Asked of graft's own configuration (one parser, one order of
-    precedence); checks run when a call signature is first planned, not per call.
-    """
-    from graft import config
-    from graft.plugins import get_registry
-
-    registry = get_registry()
-    parsed = config.load_settings(registry.backends(), registry.families())
-    priority, var = parsed.priority_for(op, registry.op(op).family)
-    return var is not None and backend in priority
-
-
 def resolve_group(group=None):
     """A ProcessGroup from None (world), a ProcessGroup, or a group name."""
     if isinstance(group, str):

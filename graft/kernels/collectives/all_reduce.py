@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from graft.custom_ops import define_op
-from graft.registry import Implementation
 from graft.platform import dtype_name
+from graft.registry import Implementation
+from graft.selection import explicitly_requested
 
 from ._common import (
     all_gather_single,
     all_to_all_single,
     backend_name,
-    explicitly_requested,
     max_world,
     message_bytes,
     oneshot_max_bytes,

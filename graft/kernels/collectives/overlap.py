@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 from graft.custom_ops import define_op
 from graft.registry import Implementation
+from graft.selection import explicitly_requested
 
 from ._common import (
     all_gather_single,
-    explicitly_requested,
     overlap_chunks,
     overlap_min_bytes,
     reduce_scatter_single,
