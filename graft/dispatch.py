@@ -14,17 +14,15 @@ remembered (lists, tensor subclasses, NaN scalars).
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import os
-import sys
 import threading
 from typing import Any, Callable
 
 import torch
 
 from graft import config, selection
+from graft.after_import import after_import
 from graft.errors import GraftConfigError, GraftInputError, GraftUnsupportedError
 from graft.platform import dtype_name
 from graft.plugins import get_registry
@@ -446,72 +444,72 @@ def _validate(state: _Op, args, kwargs) -> None:
     state.validate(*args, **kwargs)
 
 
-def _make_entry(with_impl: bool):
-    # call() and run() are the same code (one frame on the per-call path, not two).
-    def entry(op: str, *args, **kwargs):
-        state = _ops.get(op)
-        if state is None:
-            state = _op(op)
-        plan = None
-        if state.hits and not _is_compiling():  # tracing: symbolic shapes, nothing remembered
-            try:
-                for hit in state.hits:
-                    plan = hit(*args, **kwargs)
-                    if plan is not None:
-                        break
-            except (TypeError, AttributeError):  # arguments the validator cannot bind (or not
-                plan = None  # a tensor where one was remembered): it names the problem
-            if _fastcall is not None and plan is not None and plan.first is not None:
-                state.remember_fast(args, kwargs, plan)  # a spelling the C entry missed
-        if plan is None:
-            if state.validate is not None:
-                if state.collective:
-                    _validate(state, args, kwargs)
-                else:
-                    state.validate(*args, **kwargs)
-            key_arg = state.key_arg
-            tensor = args[key_arg] if len(args) > key_arg else None
-            if isinstance(tensor, torch.Tensor):  # _plan_for, inlined (ops validated every call take this path)
-                plan = state.plans.get((tensor.device, tensor.dtype))
-            if plan is None:
-                plan = _plan_for(state, args, kwargs)
-            if plan.tune is not None and not _is_compiling():  # a tuning table's choice for this shape
-                plan = plan.tune.plan(op, args, kwargs)
-            if plan.keep and not _is_compiling():
-                if plan.first is None:
-                    plan = _decided(state, plan, args, kwargs)
-                state.remember(args, kwargs, plan)
-        impl = plan.first
-        if impl is not None:
-            try:
-                out = impl.fn(*args, **kwargs)
-            except GraftUnsupportedError as exc:
-                out, impl = _fall_back(op, impl, exc, args, kwargs)
-            return (out, impl) if with_impl else out
-        impl = _choose(op, plan, args, kwargs)
-        try:
-            out = impl.fn(*args, **kwargs)
-        except GraftUnsupportedError as exc:
-            out, impl = _fall_back(op, impl, exc, args, kwargs)
+def _cold_plan(state: _Op, op: str, args, kwargs) -> _Plan:
+    """The plan of a call no remembered signature matched: validate, look the plan up (or
+    build it), take the tuning table's choice for its shape, and remember the signature."""
+    if state.validate is not None:
+        if state.collective:
+            _validate(state, args, kwargs)
         else:
-            if plan.strict and impl.backend != config.REFERENCE_BACKEND:
-                verify_output(state.spec, impl, out, args, kwargs)
-        return (out, impl) if with_impl else out
+            state.validate(*args, **kwargs)
+    key_arg = state.key_arg
+    tensor = args[key_arg] if len(args) > key_arg else None
+    plan = state.plans.get((tensor.device, tensor.dtype)) if isinstance(tensor, torch.Tensor) else None
+    if plan is None:
+        plan = _plan_for(state, args, kwargs)
+    if plan.tune is not None and not _is_compiling():  # a tuning table's choice for this shape
+        plan = plan.tune.plan(op, args, kwargs)
+    if plan.keep and not _is_compiling():
+        if plan.first is None:
+            plan = _decided(state, plan, args, kwargs)
+        state.remember(args, kwargs, plan)
+    return plan
 
-    return entry
+
+def _remembered(state: _Op, args, kwargs) -> _Plan | None:
+    """The plan of a remembered signature these arguments match, or None."""
+    plan = None
+    try:
+        for hit in state.hits:
+            plan = hit(*args, **kwargs)
+            if plan is not None:
+                break
+    except (TypeError, AttributeError):  # arguments the validator cannot bind (or not a tensor
+        return None  # where one was remembered): the cold path's validation names the problem
+    if _fastcall is not None and plan is not None and plan.first is not None:
+        state.remember_fast(args, kwargs, plan)  # a spelling the C entry missed
+    return plan
 
 
-run = _make_entry(True)
-run.__name__ = run.__qualname__ = "run"
-run.__doc__ = """Validate, select and run ``op``; returns ``(result, impl)``, ``impl`` being the
+def _run_plan(op: str, state: _Op, plan: _Plan, args, kwargs):
+    """Run ``plan`` for these arguments: ``(result, implementation that produced it)``."""
+    impl = plan.first
+    if impl is None:
+        impl = _choose(op, plan, args, kwargs)
+    try:
+        out = impl.fn(*args, **kwargs)
+    except GraftUnsupportedError as exc:
+        return _fall_back(op, impl, exc, args, kwargs)
+    if plan.strict and impl.backend != config.REFERENCE_BACKEND:
+        verify_output(state.spec, impl, out, args, kwargs)
+    return out, impl
+
+
+def run(op: str, *args, **kwargs):
+    """Validate, select and run ``op``; returns ``(result, impl)``, ``impl`` being the
     implementation that produced the result (after any run-time fallback).
 
     Integrations use this to count what served a call without selecting twice.
     """
+    state = _ops.get(op) or _op(op)
+    plan = _remembered(state, args, kwargs) if state.hits and not _is_compiling() else None
+    if plan is None:
+        plan = _cold_plan(state, op, args, kwargs)
+    return _run_plan(op, state, plan, args, kwargs)
 
-call = _make_entry(False)
-call.__name__ = call.__qualname__ = "call"
-call.__doc__ = """Validate the arguments (the same checks for every backend), then run the selected impl.
+
+def call(op: str, *args, **kwargs):
+    """Validate the arguments (the same checks for every backend), then run the selected impl.
 
     Validation runs in full on the first call of each argument signature (tensor shapes,
     dtypes, devices; scalar values) and, for ops whose checks read tensor values, on every
@@ -522,6 +520,17 @@ call.__doc__ = """Validate the arguments (the same checks for every backend), th
     why, and the call falls back to the next implementation, with the reason logged,
     unless GRAFT_STRICT=1.
     """
+    state = _ops.get(op) or _op(op)
+    plan = _remembered(state, args, kwargs) if state.hits and not _is_compiling() else None
+    if plan is None:
+        plan = _cold_plan(state, op, args, kwargs)
+    impl = plan.first
+    if impl is not None:  # the common case: one implementation, no per-call check, not strict
+        try:
+            return impl.fn(*args, **kwargs)
+        except GraftUnsupportedError as exc:
+            return _fall_back(op, impl, exc, args, kwargs)[0]
+    return _run_plan(op, state, plan, args, kwargs)[0]
 
 
 def _expected_output(spec, args, kwargs):
@@ -603,31 +612,6 @@ def _with_dynamo() -> None:
         substitute_in_graph(_fastcall.run, skip_signature_check=True)(_python_run)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``then()`` once module ``name`` has been imported, without importing it (torch._dynamo
-    takes over a second to import: graft must not add that to every process that imports it)."""
-
-    def __init__(self, name: str, then: Callable[[], None]):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_then(module):
-            exec_module(module)
-            self.then()
-
-        loader.exec_module = exec_then  # type: ignore[method-assign]
-        return spec
-
-
 def _c_entries_wanted() -> bool:
     """GRAFT_DISPATCH_C, read once when graft is imported (the entries are bound then)."""
     try:
@@ -648,7 +632,4 @@ if _fastcall is not None:
     _fastcall.configure(_fast_hits, _python_call, _python_run, _fall_back, GraftUnsupportedError,
                         vars(torch.compiler) if hasattr(torch.compiler, "_is_compiling_flag") else None)
     call, run = _fastcall.call, _fastcall.run  # type: ignore[assignment]
-if "torch._dynamo" in sys.modules:
-    _with_dynamo()
-else:
-    sys.meta_path.insert(0, _AfterImport("torch._dynamo", _with_dynamo))
+after_import("torch._dynamo", lambda module: _with_dynamo())
