@@ -550,7 +550,7 @@ def _expected_output(spec, args, kwargs):
 
 def _describe(value):
     if isinstance(value, torch.Tensor):
-        return f"tensor{tuple(value.shape)} {dtype_name(value.dtype)}"
+        return f"tensor{tuple(value.shape)} {dtype_name(value.dtype)} on {value.device}"
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
     return type(value).__name__
@@ -558,7 +558,8 @@ def _describe(value):
 
 def _same_meta(got, want) -> bool:
     if isinstance(want, torch.Tensor):
-        return isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+        return (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == want.dtype
+                and got.device == want.device)
     if isinstance(want, (tuple, list)):
         return (isinstance(got, (tuple, list)) and len(got) == len(want)
                 and all(_same_meta(g, w) for g, w in zip(got, want)))
@@ -566,8 +567,8 @@ def _same_meta(got, want) -> bool:
 
 
 def verify_output(spec, impl: Implementation, out, args, kwargs) -> None:
-    """Raise GraftError when ``out`` does not have the shapes and dtypes the op's reference
-    gives for these arguments (GRAFT_STRICT=1 and conformance check every implementation)."""
+    """Raise GraftError when ``out`` does not have the shapes, dtypes and devices the op's
+    reference gives for these arguments (GRAFT_STRICT=1 and conformance check every implementation)."""
     from graft.errors import GraftError
 
     want = _expected_output(spec, args, kwargs)

@@ -71,6 +71,21 @@ class OpSpec:
     validate_varying: Callable | None = None
     check_values: Callable | None = None
 
+    @property
+    def varying_names(self) -> tuple:
+        """The arguments a remembered signature may take from call to call without being
+        a new signature (scalars among them are matched by type only): the parameters of
+        ``validate_varying`` or ``check_values``. A tuning table's shape bucket leaves their
+        scalar values out too (graft.tuning.bucket), so that a call's table choice depends
+        on what its signature fixes and not on which call came first."""
+        varying = self.validate_varying or self.check_values
+        if varying is None:
+            return ()
+        try:
+            return tuple(inspect.signature(varying).parameters)
+        except (TypeError, ValueError):
+            return ()
+
     def __post_init__(self):
         if self.check_values is not None and self.validate_varying is not None:
             raise GraftError(f"op {self.name!r}: check_values and validate_varying cannot both be given "

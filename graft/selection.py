@@ -36,7 +36,7 @@ import torch
 
 from graft import config, tuning
 from graft.errors import GraftError, GraftUnsupportedError
-from graft.platform import device_info, dtype_name
+from graft.platform import default_device, device_info, dtype_name
 from graft.registry import Implementation, Registry, key_tensor
 
 log = logging.getLogger("graft.selection")
@@ -442,12 +442,41 @@ def graft_wanted(op: str, device_type: str | None = None, dtype=None) -> str | N
         if order and order[0] not in frameworks:
             return f"{var} puts {order[0]} first"
         return None
-    entry = tuning.first_entry(op, device_type, dtype, exclude_backends=frameworks)
+    here = device_type or default_device().type
+
+    def wanted(backend: str, e_dtype: str) -> bool:
+        return backend not in frameworks and entry_reason(op, backend, e_dtype, here) is None
+
+    entry = tuning.first_entry(op, here, dtype, wanted)
     if entry is None:
         return None
     source, e_dtype, e_bucket, backend, ratio = entry
     faster = f" ({ratio:.2f}x faster)" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else ""
     return f"{source}: {backend} for {e_dtype} {e_bucket}{faster}"
+
+
+def entry_reason(op: str, backend: str, dtype: str, device_type: str | None = None) -> str | None:
+    """Why a tuning table entry naming ``backend`` for ``op`` and ``dtype`` (its name) cannot
+    be served on ``device_type`` (default: this machine's device), or None when it can: a
+    table measured elsewhere may name a backend this machine cannot run."""
+    from graft.plugins import get_registry
+
+    registry = get_registry()
+    device_type = device_type or default_device().type
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        return f"{dtype!r} is not a torch dtype"
+    arch = device_info(torch.device(device_type)).arch if device_type == "cuda" else device_type
+    try:
+        st = static(registry, op, device_type, torch_dtype, arch)
+    except GraftError as exc:
+        return str(exc)
+    reasons = [c.reason for c in st.candidates if c.impl.backend == backend]
+    if not reasons:
+        return f"no {backend} implementation of {op} is installed"
+    if any(r is None for r in reasons):
+        return None
+    return reasons[0]
 
 
 def op_unavailable(op: str) -> str | None:

@@ -59,6 +59,7 @@ trained model and a candidate's rounding is judged on values of that size) in th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -111,12 +112,17 @@ def _parameters(op: str) -> tuple:
     from graft.plugins import get_registry
 
     spec = get_registry().op(op)
-    return tuple(inspect.signature(spec.reference).parameters), spec.key_arg
+    return tuple(inspect.signature(spec.reference).parameters), spec.key_arg, frozenset(spec.varying_names)
 
 
 def bucket(op: str, args: tuple, kwargs: dict | None = None) -> str:
-    """The shape bucket of a call (see the module doc): the key of a tuning table entry."""
-    names, key_arg = _parameters(op)
+    """The shape bucket of a call (see the module doc): the key of a tuning table entry.
+
+    Scalars a remembered signature matches by type only (the op's ``varying_names``: a
+    ``max_seqlen``, an optimizer's ``step``) are left out like floats, so every call a
+    remembered signature serves falls in the bucket of the call that made it: the choice
+    depends only on the call and the table, never on the order of calls (ranks agree)."""
+    names, key_arg, varying = _parameters(op)
     values = dict(zip(names, args))
     values.update(kwargs or {})
     token_args = TOKEN_ARGS.get(op) or (names[key_arg],)
@@ -132,6 +138,8 @@ def bucket(op: str, args: tuple, kwargs: dict | None = None) -> str:
             if name in token_args and dims:
                 dims[0] = "t"
             parts.append(f"{name}=[{','.join(dims)}]")
+        elif name in varying:
+            continue
         elif value is None or isinstance(value, (bool, int, str)):
             parts.append(f"{name}={value}")
     return " ".join(parts)
@@ -238,12 +246,14 @@ def _paths(value: str) -> list:
     return [p.strip() for p in value.replace(",", os.pathsep).split(os.pathsep) if p.strip()]
 
 
+_loaded: dict = {}  # config generation -> the tables as read (before matching them to a device)
 _tables_cache: dict = {}  # (config generation, device type) -> list[Table]
 
 
 def tables(device_type: str | None = None) -> list:
     """Every table considered for ``device_type`` (default: this machine's device), in order of
-    precedence, each marked used or ignored (cached per configuration generation)."""
+    precedence, each marked used or ignored. The files are read once per configuration
+    generation (``graft.reload_config()`` reads them again), whatever device types ask."""
     from graft.platform import default_device
 
     device_type = device_type or default_device().type
@@ -252,14 +262,21 @@ def tables(device_type: str | None = None) -> list:
     cached = _tables_cache.get(key)
     if cached is not None:
         return cached
-    found = [load(path) for path in _paths(snap.get(TABLE_VAR, ""))]
-    found += _plugin_tables()
+    read = _loaded.get(snap.generation)
+    if read is None:
+        read = [load(path) for path in _paths(snap.get(TABLE_VAR, ""))]
+        read += _plugin_tables()
+        _loaded.clear()
+        _loaded[snap.generation] = read
+    # Each device type marks its own copies used or ignored; the entries are shared.
+    found = [dataclasses.replace(t) for t in read]
     if any(t.used for t in found):
         here, here_versions = device_key(device_type), versions()
         for table in found:
             if table.ignored is None:
                 table.ignored = mismatch(table, here, here_versions)
-    _tables_cache.clear()
+    for stale in [k for k in _tables_cache if k[0] != snap.generation]:
+        del _tables_cache[stale]
     _tables_cache[key] = found
     return found
 
@@ -281,11 +298,21 @@ def _plugin_tables() -> list:
     return found
 
 
+_invariant: dict = {}  # config generation -> batch-invariant mode
+
+
 def invariant() -> bool:
-    """Batch-invariant mode: one backend per shape for every token count."""
-    if config.parse_bool(INVARIANT_VAR, False):
-        return True
-    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
+    """Batch-invariant mode: one backend per shape for every token count. Read once per
+    configuration generation, like every setting (``VLLM_BATCH_INVARIANT`` included: changed
+    mid-process it applies after ``graft.reload_config()``, never to some lookups only)."""
+    generation = config.current().generation
+    value = _invariant.get(generation)
+    if value is None:
+        value = config.parse_bool(INVARIANT_VAR, False) or \
+            os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
+        _invariant.clear()
+        _invariant[generation] = value
+    return value
 
 
 @dataclass(frozen=True)
@@ -339,15 +366,16 @@ def lookup(table_choices: dict, op: str, args: tuple, kwargs: dict) -> Choice | 
     return table_choices.get(key)
 
 
-def first_entry(op: str, device_type: str | None = None, dtype=None, exclude_backends=()) -> tuple | None:
+def first_entry(op: str, device_type: str | None = None, dtype=None, wanted=None) -> tuple | None:
     """The first entry for ``op`` (and ``dtype``; None: any) in the tables that apply here
-    whose backend is not in ``exclude_backends``: ``(table, dtype, bucket, backend, ratio)``."""
+    for which ``wanted(backend, dtype name)`` is true (None: any entry):
+    ``(table, dtype, bucket, backend, ratio)``."""
     name = dtype_name(dtype) if dtype is not None else None
     for table in tables(device_type):
         if not table.used:
             continue
         for (e_op, e_dtype, e_bucket), entry in table.entries.items():
-            if e_op == op and (name is None or e_dtype == name) and entry["backend"] not in exclude_backends:
+            if e_op == op and (name is None or e_dtype == name) and (wanted is None or wanted(entry["backend"], e_dtype)):
                 return table.source, e_dtype, e_bucket, entry["backend"], entry.get("ratio")
     return None
 
@@ -382,7 +410,10 @@ def report(device_type: str | None = None) -> dict:
 
 
 def describe(row: dict) -> str:
-    """One table row as ``graft info`` prints it: "served by vllm (faster here by 1.31x)"."""
+    """One table row as ``graft info`` prints it: "served by vllm (faster here by 1.31x)"; a
+    row whose backend cannot serve here (``cannot_serve``) says so instead."""
+    if row.get("cannot_serve"):
+        return f"names {row['backend']}, which cannot serve here ({row['cannot_serve']}): the default order serves"
     ratio = row.get("ratio")
     if row.get("note"):
         how = row["note"]
@@ -398,11 +429,15 @@ def describe(row: dict) -> str:
 
 def reset() -> None:
     _tables_cache.clear()
+    _loaded.clear()
+    _invariant.clear()
     _parameters.cache_clear()
 
 
 def _on_reload(snapshot) -> None:
     _tables_cache.clear()
+    _loaded.clear()
+    _invariant.clear()
 
 
 config.on_reload(_on_reload)

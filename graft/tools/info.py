@@ -74,8 +74,13 @@ def collect(device=None, dtype=None, ops=None, arch=None) -> dict:
 
 def _tuning(device) -> dict:
     from graft import tuning
+    from graft.selection import entry_reason
 
-    return tuning.report(device.type)
+    report = tuning.report(device.type)
+    for op, rows in report.get("ops", {}).items():
+        for row in rows:  # a table made elsewhere may name a backend this machine cannot run
+            row["cannot_serve"] = entry_reason(op, row["backend"], row["dtype"], device.type)
+    return report
 
 
 def _render_tuning(report: dict) -> list:
