@@ -154,12 +154,37 @@ def _cases():
                 yield pytest.param(b.lang, [b], id=b.name, marks=marks)
 
 
-@pytest.mark.parametrize("lang,page_blocks", list(_cases()))
-def test_code_block_runs(lang, page_blocks, tmp_path):
+def _run(lang: str, page_blocks: list, tmp: Path) -> None:
     if lang == "python":
-        _run_python(page_blocks, tmp_path)
+        _run_python(page_blocks, tmp)
     else:
-        _run_console(page_blocks[0], tmp_path)
+        _run_console(page_blocks[0], tmp)
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """Start every selected block at once, two at a time (each is a fresh interpreter that
+    mostly waits on imports): {test id: future}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {}
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_code_block_runs" and item.module is sys.modules[__name__]:
+            params = item.callspec.params
+            tmp = tmp_path_factory.mktemp("block")
+            futures[item.callspec.id] = pool.submit(_run, params["lang"], params["page_blocks"], tmp)
+    yield futures
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.mark.parametrize("lang,page_blocks", list(_cases()))
+def test_code_block_runs(lang, page_blocks, started, request, tmp_path):
+    future = started.get(request.node.callspec.id)
+    if future is None:  # not collected up front (e.g. run by node id from another session)
+        _run(lang, page_blocks, tmp_path)
+    else:
+        future.result()
 
 
 def test_convention_parses(tmp_path):
@@ -188,10 +213,20 @@ def test_relative_links_resolve(page):
     for target in LINK.findall(text):
         if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue
-        path = (page.parent / target.split("#", 1)[0]).resolve()
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve()
         if path in WRITTEN_ELSEWHERE and not path.exists():
             continue
         assert path.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+        if anchor and path.suffix == ".md":
+            assert anchor in anchors(path), f"{page.relative_to(ROOT)} links to {target}: no such heading"
+
+
+def anchors(page: Path) -> set:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
 def test_docs_pages_are_listed_in_the_index():
