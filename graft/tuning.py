@@ -205,16 +205,59 @@ class Table:
         return self.ignored is None
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The table's schema, one place: field -> (what it must be, a check). Entries' optional fields
+# are checked too, so that a bad value is a clear error here, never an AttributeError or a
+# TypeError in some later reader (dispatch, graft info, batch-invariant totals).
+_TOP_FIELDS = {
+    "device": ("an object of strings (type, name, arch, driver)",
+               lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "versions": ("an object of strings or nulls (torch, triton)",
+                 lambda v: isinstance(v, dict) and all(x is None or isinstance(x, str) for x in v.values())),
+    "entries": ("a list of entry objects", lambda v: isinstance(v, list)),
+    "created": ("a string", lambda v: isinstance(v, str)),
+    "source": ("a string", lambda v: isinstance(v, str)),
+}
+_ENTRY_FIELDS = {
+    "op": ("a string", lambda v: isinstance(v, str) and bool(v)),
+    "dtype": ("a string", lambda v: isinstance(v, str) and bool(v)),
+    "bucket": ("a string", lambda v: isinstance(v, str)),
+    "backend": ("a string", lambda v: isinstance(v, str) and bool(v)),
+    "provider": ("a string", lambda v: isinstance(v, str)),
+    "ratio": ("a number or null", lambda v: v is None or _number(v)),
+    "median_us": ("an object of numbers", lambda v: isinstance(v, dict) and all(_number(x) for x in v.values())),
+    "spread": ("an object of [low, high] number pairs", lambda v: isinstance(v, dict) and all(
+        isinstance(x, list) and len(x) == 2 and all(_number(y) for y in x) for x in v.values())),
+    "providers": ("an object of strings", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "rejected": ("an object of strings", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "note": ("a string or null", lambda v: v is None or isinstance(v, str)),
+}
+_REQUIRED = ("op", "dtype", "bucket", "backend")
+
+
 def parse(data, source: str) -> Table:
-    """A table from its JSON data; a bad table is a GraftConfigError naming what is wrong."""
+    """A table from its JSON data; a bad table is a GraftConfigError naming the file and
+    the field that is wrong (the format, every top-level field, every entry's fields)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise GraftConfigError(f"tuning table {source}: format must be {FORMAT!r}, got {found!r}")
+    for name, (what, ok) in _TOP_FIELDS.items():
+        if name in data and not ok(data[name]):
+            raise GraftConfigError(f"tuning table {source}: {name!r} must be {what}, got {data[name]!r:.200}")
     entries = {}
     for i, entry in enumerate(data.get("entries", [])):
-        missing = [k for k in ("op", "dtype", "bucket", "backend") if not isinstance(entry.get(k), str)]
+        if not isinstance(entry, dict):
+            raise GraftConfigError(f"tuning table {source}: entry {i} must be an object, got {entry!r:.200}")
+        missing = [k for k in _REQUIRED if k not in entry]
         if missing:
-            raise GraftConfigError(f"tuning table {source}: entry {i} lacks {', '.join(missing)}: {entry!r}")
+            raise GraftConfigError(f"tuning table {source}: entry {i} lacks {', '.join(missing)}: {entry!r:.200}")
+        for name, (what, ok) in _ENTRY_FIELDS.items():
+            if name in entry and not ok(entry[name]):
+                raise GraftConfigError(f"tuning table {source}: entry {i} field {name!r} must be {what}, "
+                                       f"got {entry[name]!r:.200}")
         entries[(entry["op"], entry["dtype"], entry["bucket"])] = entry
     return Table(source, dict(data.get("device") or {}), dict(data.get("versions") or {}), entries)
 
@@ -225,8 +268,13 @@ def load(path: str) -> Table:
             data = json.load(f)
     except OSError as exc:
         raise GraftConfigError(f"{TABLE_VAR}: cannot read tuning table {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise GraftConfigError(f"tuning table {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                               "graft tune writes UTF-8 JSON") from None
     except json.JSONDecodeError as exc:
         raise GraftConfigError(f"tuning table {path!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise GraftConfigError(f"tuning table {path!r} is nested too deeply to be a tuning table") from None
     return parse(data, path)
 
 

@@ -138,3 +138,29 @@ def test_strict_checks_the_output_device(fresh_graft, monkeypatch):
     dispatch.verify_output(spec, impl, good, (x, w, 1e-6, None), {})
     with pytest.raises(GraftError, match="on meta"):
         dispatch.verify_output(spec, impl, torch.empty_like(good, device="meta"), (x, w, 1e-6, None), {})
+
+
+@pytest.mark.parametrize("content, field", [
+    (b'{"format": "graft-tuning/1", "entries": {"op": 1}}', "'entries' must be a list"),
+    (b'{"format": "graft-tuning/1", "entries": [7]}', "entry 0 must be an object"),
+    (b'{"format": "graft-tuning/1", "entries": [{"op": "fused.rms_norm", "dtype": "float32", "bucket": "b"}]}',
+     "lacks backend"),
+    (b'{"format": "graft-tuning/1", "entries": [{"op": "fused.rms_norm", "dtype": "float32", "bucket": "b", '
+     b'"backend": "torch", "median_us": {"torch": "fast"}}]}', "field 'median_us' must be an object of numbers"),
+    (b'{"format": "graft-tuning/1", "device": ["cpu"], "entries": []}', "'device' must be an object"),
+    (b'{"format": "graft-tuning/1", "versions": {"torch": 2}, "entries": []}', "'versions' must be"),
+    (b'{"format": "graft-tuning/1", "entries": [{"op": "fused.rms_norm", "dtype": "float32", "bucket": "b", '
+     b'"backend": "torch", "ratio": "1.3"}]}', "field 'ratio' must be a number"),
+    (b'\xff\xfe{"format"', "is not UTF-8"),
+    (b'[' * 100000, "nested too deeply"),
+])
+def test_a_bad_table_is_a_clear_error_naming_file_and_field(tmp_path, content, field):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(graft.GraftConfigError, match="bad.json") as err:
+        tuning.load(str(path))
+    assert field in str(err.value), str(err.value)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    env["GRAFT_TUNING_TABLE"] = str(path)
+    proc = subprocess.run([sys.executable, "-m", "graft", "info"], capture_output=True, text=True, env=env, timeout=180)
+    assert "Traceback" not in proc.stderr and field in proc.stdout + proc.stderr, proc.stderr[-2000:]
