@@ -351,3 +351,55 @@ def test_varlen_attention_compiles_fullgraph(fresh_graft, monkeypatch, backend):
     torch.testing.assert_close(out, eager)
     for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), grads):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- only where graft computes the same (issue 42)
+
+
+def _linear(i, o):
+    from torchtitan.models.common.linear import Linear
+
+    return Linear.Config(in_features=i, out_features=o, bias=False)
+
+
+def test_converter_leaves_configs_graft_would_compute_differently():
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    differs = _converter()._differs
+    assert differs("swiglu", FeedForward.Config(w1=_linear(16, 32), w2=_linear(32, 16), w3=_linear(16, 32))) is None
+    why = differs("swiglu", FeedForward.Config(w1=_linear(16, 32), w2=_linear(32, 16), w3=_linear(16, 1)))
+    assert why and "w1 and w3 differ" in why and "16->1" in why
+    assert differs("norm", RMSNorm.Config(normalized_shape=16)) is None
+    assert "over 2 dims" in differs("norm", RMSNorm.Config(normalized_shape=[4, 16]))
+    assert differs("norm", RMSNorm.Config(normalized_shape=16, elementwise_affine=False)) == "RMSNorm without a weight"
+
+
+def test_graft_modules_fall_back_where_their_op_would_differ(fresh_graft, monkeypatch):
+    """Built directly (not through the converter): a float64 RMSNorm, a multi-dim one and a
+    SwiGLU whose w3 broadcasts compute exactly what TorchTitan's modules do, through their code."""
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    from graft.adapters.torchtitan import GraftFeedForward, GraftRMSNorm
+    from graft.adapters.torchtitan.integration import counter
+
+    monkeypatch.setenv("GRAFT_BACKENDS", "torch")
+    counter.reset()
+    torch.manual_seed(0)
+    for shape, dtype in ((16, torch.float64), ([4, 16], torch.float32), (16, torch.float32)):
+        titan = RMSNorm(RMSNorm.Config(normalized_shape=shape)).to(dtype)
+        ours = GraftRMSNorm(GraftRMSNorm.Config(normalized_shape=shape)).to(dtype)
+        with torch.no_grad():
+            titan.weight.normal_()
+            ours.weight.copy_(titan.weight)
+        x = torch.randn(3, 4, 16, dtype=dtype)
+        torch.testing.assert_close(ours(x), titan(x), rtol=1e-5, atol=1e-6)
+    fallbacks = counter.fallbacks()
+    assert fallbacks.get("GraftRMSNorm") == 2 and counter.served_calls().get("fused.rms_norm:torch") == 1, counter.calls
+    cfg = dict(w1=_linear(16, 32), w2=_linear(32, 16), w3=_linear(16, 1))
+    titan, ours = FeedForward(FeedForward.Config(**cfg)), GraftFeedForward(GraftFeedForward.Config(**cfg))
+    ours.load_state_dict(titan.state_dict())
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(ours(x), titan(x))
+    assert counter.fallbacks().get("GraftFeedForward") == 1

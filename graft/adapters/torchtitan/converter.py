@@ -72,6 +72,31 @@ def wanted(part: str) -> str | None:
     return None
 
 
+def _features(linear, name: str):
+    return getattr(linear, name, None)
+
+
+def _differs(part: str, cfg) -> str | None:
+    """Why graft's module would not compute exactly what TorchTitan's does for this config
+    (None: it does). Only such configs are swapped."""
+    if part == "norm":
+        if not cfg.elementwise_affine:
+            return "RMSNorm without a weight"
+        shape = cfg.normalized_shape
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if len(dims) != 1:
+            return (f"RMSNorm over {len(dims)} dims (normalized_shape={shape!r}): fused.rms_norm normalizes the "
+                    "last dim only")
+    if part == "swiglu":
+        w1, w3 = cfg.w1, cfg.w3
+        widths = (_features(w1, "out_features"), _features(w3, "out_features"))
+        inputs = (_features(w1, "in_features"), _features(w3, "in_features"))
+        if None in widths or widths[0] != widths[1] or inputs[0] != inputs[1]:
+            return (f"w1 and w3 differ (w1 {inputs[0]}->{widths[0]}, w3 {inputs[1]}->{widths[1]}): "
+                    "fused.silu_and_mul takes gate and up of one width")
+    return None
+
+
 class GraftConverter(ModelConfigConverter):
     """Swap TorchTitan module configs for graft's (see the module docstring)."""
 
@@ -115,8 +140,9 @@ class GraftConverter(ModelConfigConverter):
                 if type(cfg) is not titan_cls:  # a model's own subclass: its forward may differ
                     report["left"][fqn] = f"{type(cfg).__qualname__} is not TorchTitan's plain {titan_cls.__qualname__}"
                     continue
-                if part == "norm" and not cfg.elementwise_affine:
-                    report["left"][fqn] = "RMSNorm without a weight"
+                why_not = _differs(part, cfg)
+                if why_not:  # graft's module would not compute what TorchTitan's does here
+                    report["left"][fqn] = why_not
                     continue
                 new = graft_cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
                 model_config = _replace(model_config, new, parent, attr)

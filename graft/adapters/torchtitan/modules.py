@@ -74,6 +74,19 @@ def _silu_and_mul_dtensor(gate, up):
     return _from_local(local, gate)
 
 
+# The dtypes graft's fused ops take; TorchTitan's modules serve the others (float64...).
+_GRAFT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _rms_norm_differs(x, weight, normalized_shape) -> str | None:
+    """Why ``fused.rms_norm`` would not compute what ``torch.nn.RMSNorm`` does for this call."""
+    if len(tuple(normalized_shape)) != 1:
+        return f"normalized over {len(tuple(normalized_shape))} dims; fused.rms_norm normalizes the last only"
+    if x.dtype not in _GRAFT_DTYPES or weight.dtype not in _GRAFT_DTYPES:
+        return f"dtype {x.dtype} (weight {weight.dtype}): fused.rms_norm takes float16, bfloat16 or float32"
+    return None
+
+
 class GraftRMSNorm(RMSNorm):
     """TorchTitan's ``RMSNorm`` (``torch.nn.RMSNorm``) on ``fused.rms_norm``."""
 
@@ -85,6 +98,10 @@ class GraftRMSNorm(RMSNorm):
         weight = self.weight
         if weight is None:  # elementwise_affine=False: the converter does not swap these
             counter.fallback("GraftRMSNorm", "no weight (elementwise_affine=False)")
+            return super().forward(x)
+        why = _rms_norm_differs(x, weight, self.normalized_shape)
+        if why:  # graft's op would not compute what torch.nn.RMSNorm does here: TorchTitan's serves
+            counter.fallback("GraftRMSNorm", why)
             return super().forward(x)
         # torch.nn.RMSNorm's eps=None means the input dtype's machine epsilon
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
@@ -106,6 +123,10 @@ class GraftFeedForward(FeedForward):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
+        if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _GRAFT_DTYPES:
+            counter.fallback("GraftFeedForward", f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                             f"{up.dtype}: fused.silu_and_mul takes one shape in float16, bfloat16 or float32")
+            return self.w2(F.silu(gate) * up)
         if isinstance(gate, DTensor) or isinstance(up, DTensor):
             out = _silu_and_mul_dtensor(gate, up)
             if out is None:
