@@ -467,6 +467,27 @@ def test_fuzz_layouts(tmp_path):
     assert any("(warm)" in r["case"] for r in results), "no case ran with the dense signature remembered"
 
 
+def test_fuzz_hostile_tuning_tables(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "tables", "--time-budget", "120",
+                                "--ops", "fused.rms_norm,attention.prefill")
+    found = _assert_clean(proc, results, "tables")
+    labels = {r["case"].split(" [", 1)[1].rstrip("]") for r in results}
+    assert {"valid", "truncated", "not utf-8", "NaN ratio", "unknown backend", "no backend"} <= labels, labels
+    errors = {r["case"] for r in found.get("error", [])}
+    assert "fused.rms_norm [truncated]" in errors and "fused.rms_norm [valid]" not in errors, errors
+
+
+def test_fuzz_usage_errors_come_before_the_run(tmp_path):
+    """An unknown op is a usage error (exit 2), not a false finding; a --json folder that does
+    not exist is said before the run, not after it."""
+    for argv, message in ((("--ops", "fused.nope"), "--ops: unknown op(s) fused.nope"),
+                          (("--json", str(tmp_path / "missing" / "f.json")), "does not exist")):
+        proc = subprocess.run([sys.executable, "-m", "graft", "fuzz", "--time-budget", "600", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr[-1500:])
+        assert "running (time bound" not in proc.stdout
+
+
 @pytest.mark.slow
 def test_fuzz_layouts_every_op(tmp_path):
     proc, results = _graft_fuzz(tmp_path, "--classes", "layouts", "--time-budget", "400", timeout=500)

@@ -16,6 +16,9 @@ Classes (``--classes``, default all):
 - ``gradcheck``: ``torch.autograd.gradcheck`` in float64 on the torch backend over the op's
   quick cases; other backends (fp32 kernels): their gradients against the float64
   reference's autograd gradients.
+- ``tables``: every op's smallest case under hostile tuning tables (``GRAFT_TUNING_TABLE``):
+  wrong schema, truncated, not UTF-8, NaN or infinite ratios, unknown ops, backends and
+  dtypes. A call must match the reference or raise GraftConfigError naming the table.
 
 Each class runs in a child process (``python -m graft.tools.fuzz CLASS``) with its share of the time
 budget; the child prints one JSON line when a case starts and one with its outcome, the parent
@@ -32,7 +35,7 @@ import subprocess
 import sys
 import time
 
-CLASSES = ("layouts", "reloads", "double_backward", "gradcheck")
+CLASSES = ("layouts", "reloads", "double_backward", "gradcheck", "tables")
 OK_OUTCOMES = ("error", "match", "skip")
 
 
@@ -60,6 +63,13 @@ def run(args) -> int:
         raise GraftConfigError(f"unknown fuzz class(es) {', '.join(unknown) or '(none)'}; known: {', '.join(CLASSES)}")
     if args.time_budget <= 0:
         raise GraftConfigError(f"--time-budget must be positive, got {args.time_budget}")
+    _check_json_out(args.json_out)
+    if args.ops:  # in the parent, before any child: an unknown op is a usage error, not a finding
+        import importlib
+
+        for module in args.imports:
+            importlib.import_module(module)
+        _op_names(args.ops)
     deadline = time.monotonic() + args.time_budget
     results: list = []
     for i, cls in enumerate(classes):
@@ -78,6 +88,21 @@ def run(args) -> int:
         f"{cls}: " + ", ".join(f"{n} {o}" for (c, o), n in sorted(counts.items()) if c == cls) for cls in classes))
     print(f"graft fuzz: {len(findings)} finding(s)")
     return 1 if findings else 0
+
+
+def _check_json_out(path: str | None) -> None:
+    """--json's folder must exist and be writable now, not after the whole run."""
+    from graft.errors import GraftConfigError
+
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise GraftConfigError(f"--json {path!r} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise GraftConfigError(f"--json {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise GraftConfigError(f"--json {path!r}: folder {folder!r} is not writable")
 
 
 def _run_class(cls: str, seconds: float, args) -> list:
@@ -180,7 +205,7 @@ def _op_names(wanted: str) -> list:
         if unknown:
             from graft.errors import GraftConfigError
 
-            raise GraftConfigError(f"unknown op(s) {', '.join(unknown)}")
+            raise GraftConfigError(f"--ops: unknown op(s) {', '.join(unknown)}; known: {', '.join(sorted(registry.ops))}")
         return names
     return sorted(o for o in registry.ops if not o.startswith("collectives."))
 
@@ -557,8 +582,82 @@ def _child_gradcheck(ops, cases: _Cases) -> None:
                 cases.run(f"{case.id} {impl.backend}:{impl.provider or '-'} gradcheck", one)
 
 
+# ---------------------------------------------------------------- tuning tables
+
+
+def _table_mutations(valid: dict) -> list:
+    """(label, file bytes) of hostile tuning tables derived from ``valid``."""
+    def with_entry(**change):
+        entry = dict(valid["entries"][0], **change)
+        return dict(valid, entries=[entry])
+
+    def drop(key):
+        entry = {k: v for k, v in valid["entries"][0].items() if k != key}
+        return dict(valid, entries=[entry])
+
+    dumps = lambda d: json.dumps(d).encode()  # noqa: E731
+    text = dumps(valid)
+    out = [("valid", text), ("empty file", b""), ("truncated", text[: len(text) // 2]), ("not utf-8", b"\xff\xfe\x00{"),
+           ("a list", b"[]"), ("null", b"null"), ("wrong format", dumps(dict(valid, format="graft-tuning/0"))),
+           ("entries an object", dumps(dict(valid, entries={"a": 1}))), ("entries null", dumps(dict(valid, entries=None))),
+           ("entry a number", dumps(dict(valid, entries=[3]))), ("device a list", dumps(dict(valid, device=["cpu"]))),
+           ("versions numbers", dumps(dict(valid, versions={"torch": 2.13}))),
+           ("NaN ratio", text.replace(b'"ratio": 1.5', b'"ratio": NaN')),
+           ("infinite ratio", text.replace(b'"ratio": 1.5', b'"ratio": Infinity')),
+           ("huge ratio", dumps(with_entry(ratio=1e308))), ("ratio a string", dumps(with_entry(ratio="1.5"))),
+           ("unknown backend", dumps(with_entry(backend="nosuchbackend"))), ("unknown op", dumps(with_entry(op="fused.nope"))),
+           ("unknown dtype", dumps(with_entry(dtype="float7"))), ("bucket a number", dumps(with_entry(bucket=16))),
+           ("median_us strings", dumps(with_entry(median_us={"torch": "x"}))),
+           ("median_us a list", dumps(with_entry(median_us=[1, 2]))),
+           ("spread bad", dumps(with_entry(spread={"torch": [1]}))), ("duplicate entries", dumps(dict(
+               valid, entries=valid["entries"] * 2))), ("deeply nested", b"[" * 50000)]
+    out += [(f"no {key}", dumps(drop(key))) for key in ("op", "dtype", "bucket", "backend")]
+    return out
+
+
+def _child_tables(ops, cases: _Cases) -> None:
+    """Per op with a case: hostile tuning tables (wrong schema, truncated, not UTF-8, NaN,
+    unknown names) named by GRAFT_TUNING_TABLE. Each call must either match the reference or
+    raise GraftConfigError naming the table; anything else (another exception, a wrong
+    number) is a finding. ``graft info`` must not crash either (checked once per table)."""
+    import tempfile
+
+    import graft
+    from graft import tuning
+    from graft.errors import GraftConfigError
+
+    folder = tempfile.mkdtemp(prefix="graft-fuzz-tables-")
+    for op in ops:
+        case = _smallest(op)
+        if case is None:
+            continue
+        dtype = _dtype(case)
+        args, kwargs = case.inputs("cpu", dtype)
+        spec = graft.get_registry().op(op)
+        want = spec.reference(*[_clone(a) for a in args], **kwargs)
+        valid = {"format": tuning.FORMAT, "device": tuning.device_key("cpu"), "versions": tuning.versions(),
+                 "entries": [{"op": op, "dtype": str(dtype).replace("torch.", ""), "backend": "torch",
+                              "bucket": tuning.bucket(op, args, kwargs), "provider": "torch", "ratio": 1.5,
+                              "median_us": {"torch": 1.0, "graft": 1.5}}]}
+        for label, content in _table_mutations(valid):
+            def attempt(label=label, content=content):
+                path = os.path.join(folder, "table.json")
+                with open(path, "wb") as f:
+                    f.write(content)
+                with graft.override_config(GRAFT_TUNING_TABLE=path):
+                    try:
+                        got = graft.call(op, *[_clone(a) for a in args], **kwargs)
+                    except GraftConfigError as exc:
+                        if "table" not in str(exc):
+                            return "mismatch", f"a GraftConfigError that does not name the table: {exc}"
+                        return "error", str(exc)[:200]
+                    return _compare(case, got, want, dtype)
+
+            cases.run(f"{op} [{label}]", attempt)
+
+
 CHILDREN = {"layouts": _child_layouts, "reloads": _child_reloads,
-            "double_backward": _child_double_backward, "gradcheck": _child_gradcheck}
+            "double_backward": _child_double_backward, "gradcheck": _child_gradcheck, "tables": _child_tables}
 
 
 def child_main(argv) -> int:
