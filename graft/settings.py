@@ -214,7 +214,7 @@ _ROWS = (
             "graft.kernels.collectives._common", choices=("signature", "always"),
             synonyms=tuple((v, "signature") for v in ("1", "true", "yes", "on", "0", "false", "no", "off"))),
     Setting("GRAFT_COLLECTIVES_TIMEOUT", "float", None,
-            "seconds a graft collective may wait for its peers before raising", "graft.kernels.collectives._common",
+            "seconds (> 0) a graft collective may wait for its peers before raising", "graft.kernels.collectives._common",
             minimum=0, default_doc="the process group's timeout"),
     # --- frameworks (graft.adapters.*)
     Setting("GRAFT_VLLM", "bool", True, "0: keep graft out of vLLM (no custom ops, no attention backend)",

@@ -254,11 +254,11 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex", pp=1, fp32_experts=False):
+                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex", pp=1, experts_fp32=False):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
     arrays), graft's counted calls and fallbacks, and how many graft modules the model holds.
-    ``fp32_experts``: TorchTitan's experts compute in fp32 (test-only, :func:`fp32_experts`)."""
+    ``experts_fp32``: TorchTitan's experts compute in fp32 (test-only, :func:`fp32_experts`)."""
     import os
 
     if env:
@@ -271,7 +271,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
 
     graft.reload_config()
     counter.reset()
-    if fp32_experts:
+    if experts_fp32:
         fp32_experts()
     job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
               graft_optim=graft_optim, parts=parts, attn_backend=attn_backend, pp=pp)
