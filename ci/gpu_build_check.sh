@@ -23,7 +23,7 @@ fi
 if [ -z "${GRAFT_CACHE_DIR:-}" ]; then
     GRAFT_CACHE_DIR="$(mktemp -d -t graft-hip-build-XXXXXX)"
 fi
-export GRAFT_CACHE_DIR GRAFT_HIP_VERBOSE="${GRAFT_HIP_VERBOSE:-1}"
+export GRAFT_CACHE_DIR GRAFT_BUILD_VERBOSE="${GRAFT_BUILD_VERBOSE:-1}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # ninja parallelism in torch.utils.cpp_extension
 
 echo "== environment"

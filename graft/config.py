@@ -32,8 +32,10 @@ The variables are read once, on first use, into a :class:`Snapshot`; changing
     with graft.override_config(GRAFT_BACKENDS="torch"):
         ...
 
-Other modules declare their own variables with :func:`declare_env_var` so that
-``graft info`` can list them and flag unknown (probably misspelt) ``GRAFT_*`` names.
+Every ``GRAFT_*`` variable graft reads (these and the other modules') is declared once in
+:mod:`graft.settings` (type, default, description, owner), whose typed accessors read
+through this snapshot; ``graft info`` lists them and flags unknown (probably misspelt)
+``GRAFT_*`` names.
 """
 from __future__ import annotations
 
@@ -52,24 +54,26 @@ REFERENCE_BACKEND = "torch"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
-# name -> one-line description; filled by declare_env_var.
-KNOWN_ENV_VARS: dict[str, str] = {}
+def declare_env_var(name: str, description: str = "") -> str:
+    """Deprecated: every GRAFT_* variable is declared in :data:`graft.settings.TABLE`.
 
+    Checks that ``name`` is declared there (ValueError otherwise) and returns it; it adds
+    nothing (``description`` is ignored: the table's one-line doc is the description)."""
+    from graft import settings
 
-def declare_env_var(name: str, description: str) -> str:
-    """Record a GRAFT_* variable a module reads, for `graft info` and typo detection."""
     if not name.startswith("GRAFT_"):
         raise ValueError(f"graft environment variables must start with GRAFT_, got {name!r}")
-    KNOWN_ENV_VARS[name] = description
+    if name not in settings.TABLE:
+        raise ValueError(f"{name} is not declared in graft.settings.TABLE; add a row there")
     return name
 
 
-declare_env_var("GRAFT_BACKENDS", "global backend priority list, highest first")
-declare_env_var("GRAFT_DISABLE", "backends, op families, ops, or 'all' to switch off")
-declare_env_var("GRAFT_DISABLE_PLUGINS", "adapter plugin names not to load")
-declare_env_var("GRAFT_STRICT", "1: raise instead of falling back from an explicitly requested backend")
-declare_env_var("GRAFT_LOG_LEVEL", "log level of the 'graft' logger")
-declare_env_var("GRAFT_TEST_DEVICE", "device graft's own test suite runs on (cpu, or cuda in ci/gpu_check.sh)")
+def __getattr__(name: str):
+    if name == "KNOWN_ENV_VARS":  # name -> one-line description, from graft.settings.TABLE
+        from graft import settings
+
+        return {s.name: s.doc for s in settings.rows()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def op_env_var(name: str) -> str:
@@ -359,9 +363,10 @@ def load_settings(valid_backends: set[str], ops: dict[str, str], environ=None, d
 
 def unknown_env_vars(ops: dict[str, str], environ=None) -> list[str]:
     """GRAFT_* variables set in the environment that nothing reads (likely typos)."""
+    from graft import settings
+
     env = current() if environ is None else environ
-    known = set(KNOWN_ENV_VARS) | {op_env_var(n) for n in set(ops) | set(ops.values())}
-    return sorted(k for k in env if k.startswith("GRAFT_") and k not in known)
+    return sorted(k for k in env if k.startswith("GRAFT_") and not settings.is_declared(k, ops))
 
 
 def _log_level(raw: str | None) -> int | None:

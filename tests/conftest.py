@@ -7,6 +7,9 @@ the environment already chose (the GPU check runs with TRITON_INTERPRET=0).
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The conformance pytest plugin (graft.tools) runs its cases on the test suite's device.
+if os.environ.get("GRAFT_TEST_DEVICE", "").strip():
+    os.environ.setdefault("GRAFT_CONFORMANCE_DEVICE", os.environ["GRAFT_TEST_DEVICE"])
 
 import pytest  # noqa: E402
 
@@ -72,7 +75,7 @@ def fresh_graft(monkeypatch):
     from graft import plugins
 
     for key in list(os.environ):
-        if key.startswith("GRAFT_") and key != "GRAFT_TEST_DEVICE":
+        if key.startswith("GRAFT_") and key not in ("GRAFT_TEST_DEVICE", "GRAFT_CONFORMANCE_DEVICE"):
             monkeypatch.delenv(key)
     plugins.reset()
     yield

@@ -109,12 +109,12 @@ def test_deepseek_v3_moe_experts_fsdp2_graft_on_equals_off():
     """The opt-in ``moe`` part on 2 FSDP2 ranks (expert weights all-gathered by FSDP2, local
     dispatch): graft's ``moe.fused_experts`` against TorchTitan's experts made fp32 (test-only,
     see graft.tools.bench.torchtitan_step.fp32_experts) on both sides."""
-    env = dict(ENV, GRAFT_TEST_TITAN_FP32_EXPERTS="1")
     parts = ("norm", "swiglu", "moe")
+    experts_fp32 = ("flex", 1, True)  # attn_backend, pp (their defaults), experts_fp32
     off = run_ranks(_titan.train_ranks, 2, "deepseek_v3", False, 1, STEPS, 0, 2, 2, 16, False, False, None, False,
-                    parts, timeout=400, env=env)
+                    parts, *experts_fp32, timeout=400, env=ENV)
     on = run_ranks(_titan.train_ranks, 2, "deepseek_v3", True, 1, STEPS, 0, 2, 2, 16, False, False, None, False,
-                   parts, timeout=400, env=env)
+                   parts, *experts_fp32, timeout=400, env=ENV)
     for r in on:
         assert r["modules"] == {"GraftRMSNorm": 7, "GraftFeedForward": 2, "GraftRoutedExperts": 1}, r["modules"]
         assert r["served"] == {"fused.rms_norm:torch": STEPS * 7, "fused.silu_and_mul:torch": STEPS * 2,

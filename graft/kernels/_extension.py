@@ -7,14 +7,27 @@ import hashlib
 import os
 from pathlib import Path
 
-from graft import config
+from graft import settings
 
-CACHE_DIR_VAR = config.declare_env_var("GRAFT_CACHE_DIR", "cache directory for built kernels (default ~/.cache/graft)")
+# Declared in graft.settings. GRAFT_BUILD_VERBOSE serves both compiled backends (it replaced
+# GRAFT_HIP_VERBOSE, still read as a deprecated alias, and GRAFT_CPP_VERBOSE).
+CACHE_DIR_VAR = "GRAFT_CACHE_DIR"
+VERBOSE_VAR = "GRAFT_BUILD_VERBOSE"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_VAR)
+    root = settings.raw(CACHE_DIR_VAR)
     return Path(root).expanduser() if root else Path.home() / ".cache" / "graft"
+
+
+def verbose() -> bool:
+    """Whether a build shows the compiler's output (GRAFT_BUILD_VERBOSE)."""
+    return bool(settings.get(VERBOSE_VAR))
+
+
+def build_mode(var: str) -> str:
+    """``lazy`` or ``off``: when a compiled backend builds (GRAFT_HIP_BUILD, GRAFT_CPP_BUILD)."""
+    return str(settings.get(var))
 
 
 def build_key(files, settings: str) -> str:

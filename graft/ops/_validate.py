@@ -5,15 +5,11 @@ from typing import Any
 
 import torch
 
-from graft import config
+from graft import config, settings
 from graft.errors import GraftInputError
 from graft.platform import dtype_name
 
-CHECK_VALUES_VAR = config.declare_env_var(
-    "GRAFT_CHECK_VALUES",
-    "input checks that read tensor values (cu_seqlens, expert ids...): default on for CPU tensors (free), "
-    "off on GPUs (each is a device sync) unless 1 or GRAFT_STRICT=1",
-)
+CHECK_VALUES_VAR = "GRAFT_CHECK_VALUES"  # declared in graft.settings
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, device=None, contiguous=False) -> None:
@@ -154,10 +150,9 @@ else:
 def _value_checks() -> tuple:
     snap = config.current()
     if _value_check_cache[0] != snap.generation:
-        explicit = snap.get(CHECK_VALUES_VAR)
-        on_cpu = config.parse_bool(CHECK_VALUES_VAR, True, snap)
-        on_gpu = config.parse_bool(CHECK_VALUES_VAR, False, snap) if explicit else config.parse_bool(
-            "GRAFT_STRICT", False, snap)
+        explicit = settings.get(CHECK_VALUES_VAR, snap)  # None: unset
+        on_cpu = True if explicit is None else explicit
+        on_gpu = settings.get("GRAFT_STRICT", snap) if explicit is None else explicit
         _value_check_cache[1] = (on_cpu, on_gpu)
         _value_check_cache[0] = snap.generation
     return _value_check_cache[1]

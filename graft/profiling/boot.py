@@ -12,12 +12,12 @@ import atexit
 import os
 import sys
 
+from graft import settings
 from graft.after_import import after_import
-from graft.config import declare_env_var
 
-DIR_VAR = declare_env_var("GRAFT_PROFILE_DIR", "set by graft profile: the folder each process of the job records into")
-STEPS_VAR = declare_env_var("GRAFT_PROFILE_STEPS", "set by graft profile: steps in each process's window (0: to exit)")
-WARMUP_VAR = declare_env_var("GRAFT_PROFILE_WARMUP", "set by graft profile: steps before the window opens")
+# Declared in graft.settings; read from os.environ when the interpreter starts (before a job
+# may set other GRAFT_* variables and import graft, so not through graft's snapshot).
+DIR_VAR, STEPS_VAR, WARMUP_VAR = "GRAFT_PROFILE_DIR", "GRAFT_PROFILE_STEPS", "GRAFT_PROFILE_WARMUP"
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 
 
@@ -31,10 +31,10 @@ def environment(out: str, steps: int, warmup: int, base: dict | None = None) -> 
 
 
 def start_from_environment() -> None:
-    out = os.environ.get(DIR_VAR)
+    out = settings.raw(DIR_VAR, os.environ)
     if not out:
         return
-    steps, warmup = int(os.environ.get(STEPS_VAR, "0")), int(os.environ.get(WARMUP_VAR, "0"))
+    steps, warmup = settings.get(STEPS_VAR, os.environ), settings.get(WARMUP_VAR, os.environ)
     if "torch" in sys.modules:
         _begin(out, steps, warmup)
     else:

@@ -364,7 +364,7 @@ def _child_reloads(ops, cases: _Cases) -> None:
     import threading
 
     import graft
-    from graft import config, dispatch
+    from graft import config, dispatch, settings
     from graft.plugins import get_registry
     from graft.registry import Implementation
 
@@ -381,7 +381,7 @@ def _child_reloads(ops, cases: _Cases) -> None:
     if not chosen:
         return
     keep_out = "triton,hip"  # interpreted Triton would rank above a vendor on the CPU
-    other = os.environ.get("GRAFT_DISABLE", "")
+    other = settings.raw("GRAFT_DISABLE") or ""
     base = ",".join(x for x in (other, keep_out) if x)
     os.environ["GRAFT_DISABLE"] = base
     graft.reload_config()

@@ -21,14 +21,11 @@ import logging
 import sys
 import threading
 
-from graft import config
 from graft.integration import CallCounter, FrameworkIntegration
 
 log = logging.getLogger("graft.adapters.deepspeed")
 
-ENV_VAR = config.declare_env_var(
-    "GRAFT_DEEPSPEED", "0: leave DeepSpeed alone (no graft accelerator, op builders or comm routing); default 1"
-)
+ENV_VAR = "GRAFT_DEEPSPEED"  # declared in graft.settings
 SUPPORTED = ">=0.19,<0.20"
 BUILDER_PACKAGE = "deepspeed.ops.op_builder"
 

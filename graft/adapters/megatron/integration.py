@@ -8,17 +8,11 @@ the installed megatron-core is supported.
 """
 from __future__ import annotations
 
-from graft import config
 from graft.integration import CallCounter, FrameworkIntegration
 
-ENV_VAR = config.declare_env_var(
-    "GRAFT_MEGATRON", "0: get_gpt_layer_graft_spec() returns Megatron's own local spec (no graft modules); default 1"
-)
-FUSED_LOSS_ENV_VAR = config.declare_env_var(
-    "GRAFT_MEGATRON_FUSED_LOSS",
-    "1: graft.adapters.megatron.GraftGPTModel computes its output layer and loss with "
-    "loss.fused_linear_cross_entropy when labels are given (no logits tensor); default 0",
-)
+# Declared in graft.settings.
+ENV_VAR = "GRAFT_MEGATRON"
+FUSED_LOSS_ENV_VAR = "GRAFT_MEGATRON_FUSED_LOSS"
 SUPPORTED = ">=0.16,<0.17"
 
 

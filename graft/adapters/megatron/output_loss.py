@@ -24,7 +24,7 @@ import logging
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from graft import config
+from graft import settings
 from graft.adapters.megatron._autograd import call_with_reference_grad
 from graft.adapters.megatron.integration import FUSED_LOSS_ENV_VAR
 from graft.adapters.megatron.integration import counter
@@ -84,7 +84,7 @@ class GraftGPTModel(GPTModel):
 
     def __init__(self, *args, fused_loss: bool | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fused_loss = config.parse_bool(ENV_VAR, False) if fused_loss is None else bool(fused_loss)
+        self.fused_loss = settings.get(ENV_VAR) if fused_loss is None else bool(fused_loss)
         self._fused_reason = None
         if self.fused_loss and self.post_process:
             self.output_layer.__class__ = GraftOutputLayer  # same module, parameters and state dict

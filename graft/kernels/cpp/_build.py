@@ -26,18 +26,13 @@ from pathlib import Path
 
 import torch
 
-from graft import config
-from graft.errors import GraftConfigError, GraftUnsupportedError
+from graft.errors import GraftUnsupportedError
 from graft.kernels import _extension
 
 log = logging.getLogger("graft.kernels.cpp")
 
-BUILD_VAR = config.declare_env_var(
-    "GRAFT_CPP_BUILD",
-    "lazy (default): build graft's CPU C++ kernels on first use; off: never build them (cpp backend unavailable "
-    "unless built ahead of time with `python -m graft.kernels.cpp build`)",
-)
-VERBOSE_VAR = config.declare_env_var("GRAFT_CPP_VERBOSE", "1: show compiler output when building the CPU C++ kernels")
+BUILD_VAR = "GRAFT_CPP_BUILD"  # declared in graft.settings
+VERBOSE_VAR = _extension.VERBOSE_VAR  # declared in graft.settings, shared with the hip backend
 BUILD_MODES = ("lazy", "off")
 LIBRARY = "graft_cpp"  # the torch.ops namespace the sources register
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -54,10 +49,7 @@ ISA_FLAGS = {
 
 
 def build_mode() -> str:
-    mode = os.environ.get(BUILD_VAR, "lazy").strip().lower() or "lazy"
-    if mode not in BUILD_MODES:
-        raise GraftConfigError(f"{BUILD_VAR}={os.environ[BUILD_VAR]!r} is not valid; use one of: {', '.join(BUILD_MODES)}")
-    return mode
+    return _extension.build_mode(BUILD_VAR)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +138,7 @@ def _build() -> None:
     log.info("building graft's CPU C++ kernels in %s (first use; cached afterwards)", build_dir)
     load(name=name, sources=[str(path) for path in source_files()], extra_cflags=cxx_flags(),
          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False,
-         verbose=config.parse_bool(VERBOSE_VAR, False))
+         verbose=_extension.verbose())
 
 
 def load_library(ahead_of_time: bool = False):

@@ -18,34 +18,25 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 import threading
 from pathlib import Path
 
 import torch
 
-from graft import config
-from graft.errors import GraftConfigError, GraftUnsupportedError
+from graft.errors import GraftUnsupportedError
 from graft.kernels import _extension
 from graft.kernels._extension import cache_dir, summarize
 
 log = logging.getLogger("graft.kernels.hip")
 
-VERBOSE_VAR = config.declare_env_var("GRAFT_HIP_VERBOSE", "1: show compiler output when building the HIP/CUDA kernels")
-BUILD_VAR = config.declare_env_var(
-    "GRAFT_HIP_BUILD",
-    "lazy (default): build the HIP/CUDA kernels on first use; off: never build them (hip backend unavailable); "
-    "build ahead of time with `python -m graft.kernels.hip build`",
-)
+VERBOSE_VAR = _extension.VERBOSE_VAR  # declared in graft.settings, shared with the cpp backend
+BUILD_VAR = "GRAFT_HIP_BUILD"  # declared in graft.settings
 BUILD_MODES = ("lazy", "off")
 
 
 def build_mode() -> str:
-    mode = os.environ.get(BUILD_VAR, "lazy").strip().lower() or "lazy"
-    if mode not in BUILD_MODES:
-        raise GraftConfigError(f"{BUILD_VAR}={os.environ[BUILD_VAR]!r} is not valid; use one of: {', '.join(BUILD_MODES)}")
-    return mode
+    return _extension.build_mode(BUILD_VAR)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 # Torch-free kernel translation units: each compiles standalone with nvcc (or hipcc after hipify).
@@ -184,7 +175,7 @@ def _build():
         extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=list(device_flags),
         build_directory=str(build_dir),
-        verbose=config.parse_bool(VERBOSE_VAR, False),
+        verbose=_extension.verbose(),
     )
 
 

@@ -59,9 +59,10 @@ def _config(run: str, use_graft: bool, torch_adam: bool = False) -> dict:
 
 def measure(runs, rounds: int, progress=print) -> list:
     import graft
+    from graft import settings
     from graft.config import DEFAULT_BACKEND_PRIORITY
 
-    backends = os.environ.get("GRAFT_BACKENDS") or ",".join(DEFAULT_BACKEND_PRIORITY)
+    backends = settings.raw("GRAFT_BACKENDS") or ",".join(DEFAULT_BACKEND_PRIORITY)
     with graft.override_config(GRAFT_BACKENDS=backends):
         rows = _measure(runs, rounds, progress)
     for row in rows:

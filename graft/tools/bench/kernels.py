@@ -1140,6 +1140,7 @@ def _run(args) -> int:
 
     import torch
 
+    from graft import settings
     from graft.errors import GraftInputError
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -1168,7 +1169,7 @@ def _run(args) -> int:
     target = (None if args.target == "none" else args.target if args.target
               else roofline_target(env.get("gpu")) if device.type == "cuda" else None)
     env.update(dtype=args.dtype, quick=args.quick, budget_s=args.budget_s, rounds=args.rounds,
-               graphs=not args.no_graphs and device.type == "cuda", check_values=os.environ["GRAFT_CHECK_VALUES"],
+               graphs=not args.no_graphs and device.type == "cuda", check_values=settings.raw("GRAFT_CHECK_VALUES"),
                roofline=dict(ROOFLINES[target], target=target) if target else None)
     tag = args.tag or ("cpu-quick" if device.type == "cpu" else
                        "".join(ch if ch.isalnum() else "-" for ch in env.get("gpu", "gpu").lower()).strip("-"))

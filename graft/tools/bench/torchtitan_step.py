@@ -21,7 +21,7 @@ The shims, all here and none in TorchTitan:
   FSDP2 ``fully_shard`` refuses its parameters ("all parameters must be DTensors on the full
   SPMD mesh"), graft or not. The runs use its ``partial_dtensor`` backend (DTensor on the
   model-parallel axes only), on both sides of every comparison;
-  ``GRAFT_TEST_TITAN_SPMD=spmd_types`` selects the default where it works.
+  ``GRAFT_BENCH_TITAN_SPMD=spmd_types`` selects the default where it works.
 * gloo has no ``PREMUL_SUM`` reduction: every FSDP2 module gets
   ``set_force_sum_reduction_for_comms(True)`` (TorchTitan already sets a divide factor of 1).
 
@@ -133,8 +133,9 @@ class Job:
 
     def __init__(self, model, graft_on, tp, seed=0, n_layers=None, batch=2, seq=16, compile_model=False,
                  ac=False, spmd_backend=None, graft_optim=False, parts=None, attn_backend="flex", pp=1):
-        import os
         import types
+
+        from graft import settings
 
         import torch
         import torchtitan.distributed.parallel_dims as pdims
@@ -151,7 +152,7 @@ class Job:
         if n_layers is not None:
             shrink(spec.model, n_layers)
         self.spec, self.tp, self.pp, self.dp, self.batch, self.seq = spec, tp, pp, world // (tp * pp), batch, seq
-        spmd_backend = spmd_backend or os.environ.get("GRAFT_TEST_TITAN_SPMD", "partial_dtensor")
+        spmd_backend = spmd_backend or settings.get("GRAFT_BENCH_TITAN_SPMD")
         # PP: TorchTitan's pipelining_fn splits the model into stages (one per rank here), each
         # parallelized by parallelize_fn, driven by its schedule (1F1B, microbatches of 1)
         self.parallelism = parallelism = ParallelismConfig(
@@ -253,10 +254,11 @@ class Job:
 
 
 def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, seq, compile_model=False,
-                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex", pp=1):
+                ac=False, env=None, graft_optim=False, parts=None, attn_backend="flex", pp=1, experts_fp32=False):
     """One rank of a training job (:class:`Job`) for ``steps`` steps on synthetic tokens.
     Returns per-step global losses, step-1 gradients (rank 0, full tensors as numpy
-    arrays), graft's counted calls and fallbacks, and how many graft modules the model holds."""
+    arrays), graft's counted calls and fallbacks, and how many graft modules the model holds.
+    ``experts_fp32``: TorchTitan's experts compute in fp32 (test-only, :func:`fp32_experts`)."""
     import os
 
     if env:
@@ -269,7 +271,7 @@ def train_ranks(rank, world, model, graft_on, tp, steps, seed, n_layers, batch, 
 
     graft.reload_config()
     counter.reset()
-    if os.environ.get("GRAFT_TEST_TITAN_FP32_EXPERTS") == "1":
+    if experts_fp32:
         fp32_experts()
     job = Job(model, graft_on, tp, seed, n_layers, batch, seq, compile_model=compile_model, ac=ac,
               graft_optim=graft_optim, parts=parts, attn_backend=attn_backend, pp=pp)

@@ -85,7 +85,9 @@ _depth = [0]
 
 
 def main(model_dir: str) -> int:
-    options = json.loads(os.environ.get("GRAFT_BENCH_ENGINE", "{}"))
+    from graft import settings
+
+    options = json.loads(settings.raw("GRAFT_BENCH_ENGINE") or "{}")
     profile = bool(options.pop("profile", False))
     warm_up = options.pop("workloads", None) or list(WORKLOADS)  # the bench's workloads (all by default)
     if profile:

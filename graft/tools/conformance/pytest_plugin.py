@@ -31,11 +31,13 @@ def pytest_addoption(parser):
                     help="only this backend's implementations")
     group.addoption("--graft-conformance-tags", default="quick", help="case tags (default: quick)")
     group.addoption("--graft-conformance-device", default=None,
-                    help="device (default: $GRAFT_TEST_DEVICE, else cpu)")
+                    help="device (default: $GRAFT_CONFORMANCE_DEVICE, else cpu)")
 
 
 def _device(config) -> str:
-    return config.getoption("--graft-conformance-device") or os.environ.get("GRAFT_TEST_DEVICE", "cpu")
+    from graft import settings  # no torch, no triton
+
+    return config.getoption("--graft-conformance-device") or settings.get("GRAFT_CONFORMANCE_DEVICE", os.environ)
 
 
 def pytest_configure(config):

@@ -31,7 +31,9 @@ class LintResult:
 
 
 def linter_root() -> Path:
-    return Path(os.environ.get("GRAFT_PATCH_LINTERS") or Path.home() / ".cache" / "graft-patch-linters")
+    from graft import settings
+
+    return Path(settings.raw("GRAFT_PATCH_LINTERS") or Path.home() / ".cache" / "graft-patch-linters")
 
 
 def pinned_packages(project: Project, root: Path | None = None) -> tuple:
