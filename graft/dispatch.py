@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from graft import config, selection
+from graft import config, selection, settings
 from graft.after_import import after_import
 from graft.errors import GraftConfigError, GraftInputError, GraftUnsupportedError
 from graft.platform import dtype_name
@@ -581,7 +581,7 @@ def verify_output(spec, impl: Implementation, out, args, kwargs) -> None:
 
 
 def _fall_back(op: str, impl: Implementation, exc: Exception, args, kwargs):
-    if impl.backend == config.REFERENCE_BACKEND or config.parse_bool("GRAFT_STRICT", False):
+    if impl.backend == config.REFERENCE_BACKEND or settings.get("GRAFT_STRICT"):
         raise exc
     # Only this op plans again (the implementation recorded why it cannot serve, so its
     # static reason now says so), with the configuration in force: no environment read,
@@ -616,14 +616,13 @@ def _with_dynamo() -> None:
 def _c_entries_wanted() -> bool:
     """GRAFT_DISPATCH_C, read once when graft is imported (the entries are bound then)."""
     try:
-        return config.parse_bool(DISPATCH_C_VAR, True, environ=os.environ)
+        return settings.get(DISPATCH_C_VAR, os.environ)
     except GraftConfigError as exc:  # importing graft must not fail on it: say so, keep the default
         log.warning("%s; using the C entries", exc)
         return True
 
 
-DISPATCH_C_VAR = config.declare_env_var(
-    "GRAFT_DISPATCH_C", "0: dispatch through the Python entries only (read when graft is imported; for debugging)")
+DISPATCH_C_VAR = "GRAFT_DISPATCH_C"  # declared in graft.settings; read when graft is imported
 if _fastcall is not None and not _c_entries_wanted():
     _fastcall = None
 if _fastcall is not None:

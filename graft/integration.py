@@ -23,7 +23,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from graft import config
+from graft import config, settings
 from graft.dispatch import run as _dispatch_run
 from graft.errors import GraftDependencyError, GraftError
 from graft.hookspecs import hookimpl
@@ -162,9 +162,9 @@ class FrameworkIntegration:
 
     def status(self) -> Status:
         """(can activate, why) without activating; ``.state`` says which case."""
-        if "all" in config.split_list(config.current().get("GRAFT_DISABLE")):
+        if "all" in (settings.get("GRAFT_DISABLE") or ()):
             return Status(State.SWITCHED_OFF, "GRAFT_DISABLE=all")
-        if self.env_var and not config.parse_bool(self.env_var, True):
+        if self.env_var and not settings.get(self.env_var):
             return Status(State.SWITCHED_OFF, f"{self.env_var}=0")
         from graft.selection import config_error
 

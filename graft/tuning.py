@@ -71,7 +71,7 @@ from importlib import metadata
 
 import torch
 
-from graft import config
+from graft import config, settings
 from graft.errors import GraftConfigError
 from graft.platform import dtype_name
 
@@ -81,10 +81,9 @@ FORMAT = "graft-tuning/1"
 SHAPES_FORMAT = "graft-shapes/1"
 MARGIN = 0.05  # a graft backend must beat the framework's own code by more than this to win
 
-TABLE_VAR = config.declare_env_var(
-    "GRAFT_TUNING_TABLE", "tuning tables (graft tune's JSON) to read, ':' or ',' separated; first match wins")
-INVARIANT_VAR = config.declare_env_var(
-    "GRAFT_TUNING_BATCH_INVARIANT", "1: one backend per shape for every token count (set by VLLM_BATCH_INVARIANT=1 too)")
+# Declared in graft.settings.
+TABLE_VAR = "GRAFT_TUNING_TABLE"
+INVARIANT_VAR = "GRAFT_TUNING_BATCH_INVARIANT"
 
 # Arguments whose first dimension is the token count, per op (default: the key tensor's).
 TOKEN_ARGS = {
@@ -312,7 +311,7 @@ def tables(device_type: str | None = None) -> list:
         return cached
     read = _loaded.get(snap.generation)
     if read is None:
-        read = [load(path) for path in _paths(snap.get(TABLE_VAR, ""))]
+        read = [load(path) for path in _paths(settings.raw(TABLE_VAR) or "")]
         read += _plugin_tables()
         _loaded.clear()
         _loaded[snap.generation] = read
@@ -356,7 +355,7 @@ def invariant() -> bool:
     generation = config.current().generation
     value = _invariant.get(generation)
     if value is None:
-        value = config.parse_bool(INVARIANT_VAR, False) or \
+        value = settings.get(INVARIANT_VAR) or \
             os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() in ("1", "true")
         _invariant.clear()
         _invariant[generation] = value

@@ -19,8 +19,10 @@ from graft.selection import Origin
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "graft"
 
-# What only selection may call: the parsed priorities and the tuning tables' choices.
-DECIDING = {"priority_for", "load_settings", "choices", "lookup", "first_entry", "global_priority", "overrides"}
+# What only selection may call: the parsed priorities (any object's) and the tuning tables'
+# choices (graft.tuning's functions).
+DECIDING = {"priority_for", "load_settings", "global_priority", "overrides"}
+TABLE_CHOICES = {"choices", "lookup", "first_entry"}
 # Where they are defined (config: the settings; tuning: the tables) and where they are used.
 ALLOWED = {"graft/selection.py", "graft/config.py", "graft/tuning.py"}
 
@@ -29,12 +31,13 @@ def deciding_reads(source: str) -> list:
     """(line, name) of every call or attribute read of a deciding name in ``source``."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in DECIDING:
+        if isinstance(node, ast.Attribute) and (node.attr in DECIDING or (
+                node.attr in TABLE_CHOICES and isinstance(node.value, ast.Name) and node.value.id == "tuning")):
             found.append((node.lineno, node.attr))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DECIDING:
             found.append((node.lineno, node.func.id))
         elif isinstance(node, ast.ImportFrom) and node.module in ("graft.tuning", "graft.config"):
-            found += [(node.lineno, a.name) for a in node.names if a.name in DECIDING]
+            found += [(node.lineno, a.name) for a in node.names if a.name in DECIDING | TABLE_CHOICES]
     return found
 
 

@@ -30,6 +30,14 @@ def markdown() -> str:
         "naming the variable, the value and what is valid; `graft info` warns about set `GRAFT_*` "
         "names that nothing reads (likely misspelt).",
         "",
+        "In Python, `graft.settings` reads them typed, through the same snapshot:",
+        "",
+        "```python",
+        "from graft import settings",
+        'print(settings.get("GRAFT_STRICT"), settings.get("GRAFT_OVERLAP_CHUNKS"))  # False 4 unless set',
+        'print(settings.setting("GRAFT_COLLECTIVES_VALIDATE").choices)',
+        "```",
+        "",
         "| Variable | Type | Default | Description | Read by |",
         "|---|---|---|---|---|",
     ]

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 
-from graft import config
+from graft import config, settings
 from graft.errors import GraftConfigError
 
 log = logging.getLogger("graft.vllm")
@@ -34,8 +33,7 @@ _summary: dict | None = None  # what activate() did, once it ran
 
 
 def selected_parts(environ=None) -> tuple:
-    env = os.environ if environ is None else environ
-    raw = env.get("GRAFT_VLLM_OPS")
+    raw = settings.raw("GRAFT_VLLM_OPS", environ)
     if raw is None:
         return PARTS
     names = config.split_list(raw)

@@ -16,84 +16,35 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from graft.config import declare_env_var
+from graft import settings as settings_table
 from graft.errors import GraftCollectiveError, GraftConfigError
 
 log = logging.getLogger("graft.collectives")
 
-ONESHOT_MAX_BYTES_VAR = declare_env_var(
-    "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES",
-    "largest message (bytes) the one-shot custom all-reduce serves (default 524288 = 512 KiB)",
-)
-TWOSHOT_MAX_BYTES_VAR = declare_env_var(
-    "GRAFT_TWOSHOT_ALLREDUCE_MAX_BYTES",
-    "largest message (bytes) the two-shot custom all-reduce serves (default 8388608 = 8 MiB)",
-)
-MAX_WORLD_VAR = declare_env_var(
-    "GRAFT_CUSTOM_ALLREDUCE_MAX_WORLD",
-    "largest group size the one-shot/two-shot all-reduce serves (default 8)",
-)
-OVERLAP_CHUNKS_VAR = declare_env_var(
-    "GRAFT_OVERLAP_CHUNKS",
-    "pipeline depth (chunks) of the GEMM + collective overlap ops (default 4, at most 1024)",
-)
-OVERLAP_MIN_BYTES_VAR = declare_env_var(
-    "GRAFT_OVERLAP_MIN_BYTES",
-    "smallest collective (bytes) the GEMM + collective overlap ops pipeline (default 1048576 = 1 MiB)",
-)
-QUANT_MIN_BYTES_VAR = declare_env_var(
-    "GRAFT_QUANTIZED_GATHER_MIN_BYTES",
-    "smallest per-rank input (bytes) the int8 all-gather quantizes; smaller ones gather exactly (default 65536)",
-)
-VALIDATE_VAR = declare_env_var(
-    "GRAFT_COLLECTIVES_VALIDATE",
-    "'signature' (default): ranks agree on shapes, dtypes, algorithm and settings on the first call of each "
-    "signature; 'always': before every call",
-)
-TIMEOUT_VAR = declare_env_var(
-    "GRAFT_COLLECTIVES_TIMEOUT",
-    "seconds a graft collective may wait for its peers before raising (default: the process group's timeout)",
-)
+# Declared (type, default, bounds, doc) in graft.settings, read through graft's snapshot.
+ONESHOT_MAX_BYTES_VAR = "GRAFT_CUSTOM_ALLREDUCE_MAX_BYTES"
+TWOSHOT_MAX_BYTES_VAR = "GRAFT_TWOSHOT_ALLREDUCE_MAX_BYTES"
+MAX_WORLD_VAR = "GRAFT_CUSTOM_ALLREDUCE_MAX_WORLD"
+OVERLAP_CHUNKS_VAR = "GRAFT_OVERLAP_CHUNKS"
+OVERLAP_MIN_BYTES_VAR = "GRAFT_OVERLAP_MIN_BYTES"
+QUANT_MIN_BYTES_VAR = "GRAFT_QUANTIZED_GATHER_MIN_BYTES"
+VALIDATE_VAR = "GRAFT_COLLECTIVES_VALIDATE"
+TIMEOUT_VAR = "GRAFT_COLLECTIVES_TIMEOUT"
 
-DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024
-DEFAULT_TWOSHOT_MAX_BYTES = 8 * 1024 * 1024
-DEFAULT_MAX_WORLD = 8
-DEFAULT_OVERLAP_CHUNKS = 4
-MAX_OVERLAP_CHUNKS = 1024
-DEFAULT_OVERLAP_MIN_BYTES = 1024 * 1024
-DEFAULT_QUANT_MIN_BYTES = 64 * 1024
-_INT_LIMIT = 1 << 62  # thresholds travel through int64 custom-op arguments
+_default = lambda name: settings_table.setting(name).default  # noqa: E731
+DEFAULT_ONESHOT_MAX_BYTES = _default(ONESHOT_MAX_BYTES_VAR)
+DEFAULT_TWOSHOT_MAX_BYTES = _default(TWOSHOT_MAX_BYTES_VAR)
+DEFAULT_MAX_WORLD = _default(MAX_WORLD_VAR)
+DEFAULT_OVERLAP_CHUNKS = _default(OVERLAP_CHUNKS_VAR)
+DEFAULT_OVERLAP_MIN_BYTES = _default(OVERLAP_MIN_BYTES_VAR)
+DEFAULT_QUANT_MIN_BYTES = _default(QUANT_MIN_BYTES_VAR)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 VALIDATE_MODES = ("signature", "always")
 
 
-def env_int(name: str, default: int, minimum: int = 0, maximum: int = _INT_LIMIT, environ=None) -> int:
-    """An integer variable; a clear GraftConfigError for anything else."""
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
-        return default
-    text = raw.strip().lower().replace("_", "")
-    scale = 1
-    for suffix, factor in (("kib", 1024), ("mib", 1024**2), ("gib", 1024**3), ("k", 1024), ("m", 1024**2)):
-        if text.endswith(suffix):
-            text, scale = text[: -len(suffix)], factor
-            break
-    try:
-        value = int(text) * scale
-    except ValueError:
-        raise GraftConfigError(
-            f"{name}={raw!r} is not an integer; give a whole number (suffixes KiB/MiB/GiB allowed), e.g. {default}"
-        ) from None
-    if value < minimum:
-        raise GraftConfigError(f"{name}={raw!r} must be >= {minimum}")
-    if value > maximum:
-        raise GraftConfigError(f"{name}={raw!r} must be <= {maximum}")
-    return value
-
-
 def _validate_mode(environ) -> str:
-    raw = environ.get(VALIDATE_VAR)
+    raw = settings_table.raw(VALIDATE_VAR, environ)
     value = (raw or "").strip().lower()
     if value in ("", "1", "true", "yes", "on", "signature"):
         return "signature"
@@ -110,7 +61,7 @@ def _validate_mode(environ) -> str:
 
 
 def _timeout(environ) -> float | None:
-    raw = environ.get(TIMEOUT_VAR)
+    raw = settings_table.raw(TIMEOUT_VAR, environ)
     if raw is None or not raw.strip():
         return None
     try:
@@ -147,15 +98,16 @@ class Settings:
 def read_settings(environ=None) -> Settings:
     """Parse the collectives variables now (``settings()`` is the cached view)."""
     env = os.environ if environ is None else environ
+    get = settings_table.get
     return Settings(
         validate=_validate_mode(env),
         timeout_s=_timeout(env),
-        oneshot_max_bytes=env_int(ONESHOT_MAX_BYTES_VAR, DEFAULT_ONESHOT_MAX_BYTES, environ=env),
-        twoshot_max_bytes=env_int(TWOSHOT_MAX_BYTES_VAR, DEFAULT_TWOSHOT_MAX_BYTES, environ=env),
-        max_world=env_int(MAX_WORLD_VAR, DEFAULT_MAX_WORLD, minimum=1, environ=env),
-        overlap_chunks=env_int(OVERLAP_CHUNKS_VAR, DEFAULT_OVERLAP_CHUNKS, 1, MAX_OVERLAP_CHUNKS, environ=env),
-        overlap_min_bytes=env_int(OVERLAP_MIN_BYTES_VAR, DEFAULT_OVERLAP_MIN_BYTES, environ=env),
-        quantized_min_bytes=env_int(QUANT_MIN_BYTES_VAR, DEFAULT_QUANT_MIN_BYTES, environ=env),
+        oneshot_max_bytes=get(ONESHOT_MAX_BYTES_VAR, env),
+        twoshot_max_bytes=get(TWOSHOT_MAX_BYTES_VAR, env),
+        max_world=get(MAX_WORLD_VAR, env),
+        overlap_chunks=get(OVERLAP_CHUNKS_VAR, env),
+        overlap_min_bytes=get(OVERLAP_MIN_BYTES_VAR, env),
+        quantized_min_bytes=get(QUANT_MIN_BYTES_VAR, env),
     )
 
 
