@@ -40,9 +40,7 @@ def graft_register_kernels(registry):
     # Where torch has a faster kernel for the same math, graft's torch backend uses it
     # (ranked above the reference, which stays the definition and last resort).
     # Each module of this folder lists those in ``torch_implementations()``.
-    from graft.ops import family_modules  # TRANSITIONAL: families not yet moved here
-
-    for module in [*fast_path_modules(), *(m for m in family_modules() if hasattr(m, "torch_implementations"))]:
+    for module in fast_path_modules():
         for impl in module.torch_implementations():
             if impl.op in registry.ops:
                 registry.add_impl(impl)

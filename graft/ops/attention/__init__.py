@@ -507,5 +507,5 @@ def decode_paged(query, key_cache, value_cache, block_tables, seq_lens, softmax_
     )
 
 
-# Re-exported; the cases import this module's names, so they come last.
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
 from graft.ops.attention.cases import make_prefill_inputs, make_decode_inputs, make_prefill_paged_inputs, CASES

@@ -253,5 +253,5 @@ def fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
     return call("gemm.fp8", x_q, w_q, x_scale, w_scale, bias, out_dtype)
 
 
-# Re-exported; the cases import this module's names, so they come last.
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
 from graft.ops.gemm.cases import CASES

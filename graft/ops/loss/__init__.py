@@ -79,5 +79,5 @@ OPS = [
 ]
 
 
-# Re-exported; the cases import this module's names, so they come last.
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
 from graft.ops.loss.cases import CASES
