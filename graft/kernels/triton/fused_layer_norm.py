@@ -21,15 +21,13 @@ import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import variant
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.fused_rms_norm import _rows, row_programs
 
 MAX_HIDDEN = 16384
-TILES = {
-    "default": {"num_warps": 8},
-    "interpreter": {"num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("fused_layer_norm"), loaded once.
+TILES = tile_table("fused_layer_norm")
 
 
 @triton.jit

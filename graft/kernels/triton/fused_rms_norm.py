@@ -14,16 +14,13 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
 # max_block: widest tile one program holds; longer rows are streamed in max_block chunks.
-TILES = {
-    "default": {"max_block": 8192, "num_warps": 8},
-    "cdna3": {"max_block": 8192, "num_warps": 8},
-    "interpreter": {"max_block": 2048, "num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("fused_rms_norm"), loaded once.
+TILES = tile_table("fused_rms_norm")
 
 
 @triton.jit

@@ -10,14 +10,12 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
-TILES = {
-    "default": {"block": 1024, "num_warps": 4},
-    "interpreter": {"block": 1024, "num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("fused_silu_and_mul"), loaded once.
+TILES = tile_table("fused_silu_and_mul")
 
 
 @triton.jit
