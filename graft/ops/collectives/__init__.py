@@ -29,6 +29,7 @@ from graft.ops.collectives.reference import (_all_gather_gemm_ref, _all_gather_q
 from graft.registry import OpSpec
 
 
+# Validation: local checks, then the cross-rank agreement (agreement.py).
 def _group_or_fail(call: Call, group):
     if not dist.is_available() or not dist.is_initialized():
         raise GraftInputError(

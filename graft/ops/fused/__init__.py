@@ -238,6 +238,33 @@ OPS = [
 ]
 
 
+# Optimizer steps the framework integrations need (family ``fused``).
+#
+# ``fused.adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
+# weight_decay=0.0, adam_w_mode=True, bias_correction=True)`` is one Adam/AdamW update of
+# one tensor, with the semantics of DeepSpeed's (and Apex's) ``multi_tensor_adam``:
+#
+# * ``adam_w_mode=True`` (AdamW): weight decay is decoupled,
+#   ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``;
+#   ``adam_w_mode=False`` (Adam with L2): ``grad += weight_decay * p`` before the moments.
+# * ``m = beta1 * m + (1 - beta1) * g``, ``v = beta2 * v + (1 - beta2) * g * g``;
+#   with ``bias_correction`` the moments are divided by ``1 - beta**step``
+#   (``step`` counts from 1), and the denominator is ``sqrt(v) / sqrt(1 - beta2**step) + eps``.
+#
+# Math is fp32; each result is rounded once to its input's dtype (bf16/fp16 params may
+# keep fp32 moments). The op is functional: it returns new ``(param, exp_avg, exp_avg_sq)``
+# and never writes its inputs, so an optimized kernel can be a plain ``torch.library``
+# custom op.
+#
+# Optimizers step many tensors in place: :func:`adam_step_` takes lists and updates them
+# in place. It selects the implementation once per call (on the first tensor); when that is
+# graft's torch backend, every tensor goes through ONE ``torch._fused_adam_`` /
+# ``torch._fused_adamw_`` call (what ``torch.optim.Adam(fused=True)`` runs), so graft adds
+# no per-tensor launches or copies over torch's optimizer. A backend whose implementation
+# carries ``multi_tensor_`` (an in-place list form returning the indices it updated, e.g.
+# graft's Triton kernel: one launch per group) serves the group the same way; other backends
+# (functional custom ops) run per tensor and their results are copied back.
+
 OP = "fused.adam_step"
 
 

@@ -219,6 +219,23 @@ OPS = [
 ]
 
 
+# FP8 block-scaled mixture of experts (DeepSeek-V3 style): ``moe.fused_experts_fp8``.
+#
+# ``fused_experts_fp8(hidden [T, H], w13_q [E, 2I, H], w2_q [E, H, I], w13_scale, w2_scale,
+# topk_weights [T, k], topk_ids int32 [T, k], activation="silu")``
+#     The MoE of :func:`graft.ops.moe.fused_experts` with fp8 e4m3 expert weights
+#     (``float8_e4m3fn``, or ``float8_e4m3fnuz`` on MI300) and fp32 scales per 128x128 block:
+#     ``w13_scale [E, ceil(2I/128), ceil(H/128)]``, ``w2_scale [E, ceil(H/128), ceil(I/128)]``
+#     (:func:`graft.quant.quantize_fp8_block` makes both). Activations are quantized to the
+#     weights' fp8 format per token per 128 features, as DeepSeek-V3 runs: ``hidden`` before
+#     GEMM 1, and the SiLU-and-mul output, rounded to hidden's dtype, before GEMM 2
+#     (:func:`graft.quant.quantize_fp8_per_token_group`). ``hidden`` is fp16/bf16/fp32; the
+#     result [T, H] has its dtype. Kept a separate op (not a flag of ``moe.fused_experts``) so
+#     that op's signature and every backend of it stay as they are.
+#
+# The reference dequantizes those very fp8 values and computes in fp32, so an
+# implementation differs from it by accumulation order and roundings only.
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
