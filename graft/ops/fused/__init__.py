@@ -360,7 +360,6 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
     not contiguous, take the per-tensor path of the same selection rules.
     """
     from graft.dispatch import select
-    from graft.kernels.torch.fused import _torch_fused_, _torch_fused_reason  # the one-call group path
 
     validate_adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay,
                         adam_w_mode, bias_correction)
@@ -370,14 +369,14 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
     scalars = (lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
     impl = select(OP, p0, grads[0], m0, exp_avg_sqs[0], *scalars)
     rest = list(range(len(params)))
-    if impl.backend == "torch" and _torch_fused_reason(p0, m0, exp_avg_sqs[0], bias_correction) is None:
+    if impl.backend == "torch" and _torch_backend._torch_fused_reason(p0, m0, exp_avg_sqs[0], bias_correction) is None:
         same = [i for i in rest if params[i].device == p0.device and params[i].dtype == p0.dtype
                 and exp_avgs[i].dtype == m0.dtype and exp_avg_sqs[i].dtype == m0.dtype
                 and all(t.is_contiguous() for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))]
         if same:
             pick = (lambda ts: ts) if len(same) == len(params) else (lambda ts: [ts[i] for i in same])
-            _torch_fused_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr, beta1, beta2, eps,
-                          step, weight_decay, adam_w_mode)
+            _torch_backend._torch_fused_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr, beta1,
+                                         beta2, eps, step, weight_decay, adam_w_mode)
             served = set(same)
             rest = [i for i in rest if i not in served]
     elif (multi_tensor_ := getattr(impl.fn, "multi_tensor_", None)) is not None:
@@ -410,3 +409,6 @@ OPS += [
 
 # The conformance cases, re-exported here (imported last: a cases module may use this module's names).
 from graft.ops.fused.cases import cos_sin_cache, CASES
+
+# The torch backend's one-call group path of adam_step_ (imported last: that module imports this one's names).
+from graft.kernels.torch import fused as _torch_backend
