@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from graft.ops import attention
-from graft.ops.attention import decode_paged_reference, decode_paged_torch, make_decode_inputs
+from graft.kernels.torch import attention as torch_attention
+from graft.kernels.torch.attention import decode_paged_torch
+from graft.ops.attention import decode_paged_reference, make_decode_inputs
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 2e-2)}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,9 +85,9 @@ def test_vllm_strided_cache_views_fp32_and_fp8():
     # This layout takes the one-gather path (each token's key and value side by side); two
     # separate caches, or the halves swapped, do not.
     blocks, slots = block_tables[:, :1].long(), torch.arange(1)
-    assert attention._kv_tokens_of(key_cache, value_cache, blocks, slots, None, None) is not None
-    assert attention._kv_tokens_of(value_cache, key_cache, blocks, slots, None, None) is None
-    assert attention._kv_tokens_of(key_cache.contiguous(), value_cache, blocks, slots, None, None) is None
+    assert torch_attention._kv_tokens_of(key_cache, value_cache, blocks, slots, None, None) is not None
+    assert torch_attention._kv_tokens_of(value_cache, key_cache, blocks, slots, None, None) is None
+    assert torch_attention._kv_tokens_of(key_cache.contiguous(), value_cache, blocks, slots, None, None) is None
     seq_lens = torch.tensor([40, 17, 1], dtype=torch.int32)
     _close(decode_paged_torch(query, key_cache, value_cache, block_tables, seq_lens),
            decode_paged_reference(query, key_cache.contiguous(), value_cache.contiguous(), block_tables, seq_lens),
@@ -158,7 +160,8 @@ def test_dispatch_serves_it_above_the_reference(fresh_graft, monkeypatch):
 _BIG_CACHE = textwrap.dedent("""
     import resource, sys, time, torch
     from graft.ops import attention
-    from graft.ops.attention import decode_paged_reference, decode_paged_torch
+    from graft.kernels.torch.attention import decode_paged_torch
+    from graft.ops.attention import decode_paged_reference
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -208,7 +208,7 @@ def test_torch_backend_compiles_fullgraph_with_its_gradients(causal):
     is the custom op attention_prefill_torch (fake + a written-out backward, itself an op):
     fullgraph=True traces, and output and q/k/v gradients equal the eager torch backend's for
     ragged sequences with more keys than queries (bottom-right causal) and GQA."""
-    from graft.ops import attention as A
+    from graft.kernels.torch import attention as TA
 
     gen = torch.Generator().manual_seed(3)
     cu_q = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
@@ -216,10 +216,10 @@ def test_torch_backend_compiles_fullgraph_with_its_gradients(causal):
     q = torch.randn(13, 4, 16, generator=gen, requires_grad=True)
     k, v = (torch.randn(17, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
     grad = torch.randn(13, 4, 16, generator=gen)
-    eager = A.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25)
+    eager = TA.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25)
     want = torch.autograd.grad(eager, (q, k, v), grad)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: A.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25),
+    compiled = torch.compile(lambda q, k, v: TA.prefill_torch(q, k, v, cu_q, cu_k, 7, 8, causal, 0.25),
                              backend="aot_eager", fullgraph=True)
     out = compiled(q, k, v)
     torch.testing.assert_close(out, eager)
@@ -228,10 +228,10 @@ def test_torch_backend_compiles_fullgraph_with_its_gradients(causal):
 
 
 def test_torch_backend_custom_op_opcheck():
-    from graft.ops import attention as A
+    from graft.kernels.torch import attention as TA
 
     gen = torch.Generator().manual_seed(4)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     q = torch.randn(8, 2, 8, generator=gen, requires_grad=True)
     k, v = (torch.randn(8, 1, 8, generator=gen, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(A._PREFILL_TORCH_OP, (q, k, v, cu, cu, 5, 5, True, None))
+    torch.library.opcheck(TA._PREFILL_TORCH_OP, (q, k, v, cu, cu, 5, 5, True, None))

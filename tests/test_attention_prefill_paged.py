@@ -219,22 +219,23 @@ def test_torch_backend_gathers_then_runs_sdpa_and_matches_the_reference():
     """The torch backend (gather + SDPA, as fast as the framework's own gather path) agrees
     with the reference on every case, and hostile lengths/block ids take the reference."""
     import graft
+    from graft.kernels.torch import attention as TA
     from graft.ops import attention as A
 
     impls = {i.provider: i for i in graft.get_registry().impls["attention.prefill_paged"] if i.backend == "torch"}
-    assert impls["graft"].fn is A.prefill_paged_torch and impls["graft"].priority > impls["torch"].priority
+    assert impls["graft"].fn is TA.prefill_paged_torch and impls["graft"].priority > impls["torch"].priority
     for case in A.CASES:
         if case.op != "attention.prefill_paged" or "quick" not in case.tags:
             continue
         for dtype in case.dtypes:
             args, kwargs = case.inputs("cpu", dtype)
             want = A.prefill_paged_reference(*args, **kwargs)
-            got = A.prefill_paged_torch(*args, **kwargs)
+            got = TA.prefill_paged_torch(*args, **kwargs)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=f"{case.name} {dtype}")
             if args[4].numel() > 1 and args[5].numel():  # a hostile block id: the reference's answer
                 tables = args[3].clone()
                 tables[0, 0] = args[1].shape[0] + 7
                 bad = (args[0], args[1], args[2], tables, *args[4:])
-                torch.testing.assert_close(A.prefill_paged_torch(*bad, **kwargs),
+                torch.testing.assert_close(TA.prefill_paged_torch(*bad, **kwargs),
                                            A.prefill_paged_reference(*bad, **kwargs), atol=0, rtol=0)

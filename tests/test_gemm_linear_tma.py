@@ -141,14 +141,14 @@ def test_plans_pick_tma_on_hopper_at_prefill_only():
 
 def test_aot_variants_compile_the_tma_plans():
     """The AOT check compiles the TMA kernel with the plan's tiles and descriptors of those blocks."""
-    tma = [v for v in L.AOT_VARIANTS if v.kernel is L._linear_tma_kernel]
+    tma = [v for v in L.aot_variants() if v.kernel is L._linear_tma_kernel]
     assert tma and all(v.targets == ("sm_90",) for v in tma)
     cfg = L.plan(4096, 4096, 4096, torch.bfloat16, "cuda", generation="hopper", sms=132)
     v = tma[0]
     assert v.descriptors == {"x_desc": (cfg["BLOCK_M"], cfg["BLOCK_K"]), "w_desc": (cfg["BLOCK_N"], cfg["BLOCK_K"]),
                              "y": (cfg["BLOCK_M"], cfg["BLOCK_N"])}
     assert v.options == {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    pointer_rows = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"]) for v in L.AOT_VARIANTS
+    pointer_rows = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"]) for v in L.aot_variants()
                     if v.kernel is L._linear_kernel and "sm_90" in v.targets}
     assert (256, 128) in pointer_rows  # the pointer kernel's prefill row stays checked (layouts TMA cannot take)
 

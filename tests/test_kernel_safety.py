@@ -171,7 +171,7 @@ def test_prefill_offsets_are_64_bit_on_sm90(tmp_path, module):
     specialisation (a subprocess: the interpreter is on in this one)."""
     code = (
         f"from graft.kernels.triton import _aot, {module} as ap\n"
-        "for v in ap.AOT_VARIANTS[:1]:\n"
+        "for v in ap.aot_variants()[:1]:\n"
         "    for aligned in (True, False):\n"
         "        print(_aot.compile_variant(v, 'sm_90', aligned).asm['ttir'])\n"
         "        print('=====')\n"

@@ -51,7 +51,7 @@ def test_every_listed_tile_fits_the_dot_minimums_and_the_aot_check_compiles_each
     for module, kernel in ((fused, fused._gate_up_kernel), (fused_fp8, fused_fp8._gate_up_fp8_kernel)):
         for target, generation in (("sm_90", "hopper"), ("gfx942", "cdna3")):
             compiled = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"] * 2, v.options.get("num_warps"))
-                        for v in module.AOT_VARIANTS if v.kernel is kernel and v.targets == (target,)}
+                        for v in module.aot_variants() if v.kernel is kernel and v.targets == (target,)}
             for tile in moe_tiles.distinct_tiles(generation):
                 assert (tile["BLOCK_M"], tile["BLOCK_N"], tile["num_warps"]) in compiled, (module.__name__, tile)
 

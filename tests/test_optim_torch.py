@@ -7,7 +7,8 @@ import torch
 
 import graft
 from graft.errors import GraftInputError
-from graft.ops.fused import adam_step_, adam_step_reference, adam_step_torch
+from graft.kernels.torch.fused import adam_step_torch
+from graft.ops.fused import adam_step_, adam_step_reference
 
 HYPER = (1e-2, 0.9, 0.999, 1e-8)
 

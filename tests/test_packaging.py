@@ -29,6 +29,10 @@ def test_single_top_level_namespace(wheel):
     for pkg in ("adapters", "kernels", "kernels/triton", "kernels/hip", "tools", "tools/patches", "tools/conformance",
                 "tools/bench", "ops"):
         assert f"graft/{pkg}/__init__.py" in names, pkg
+    # the data files the runtime reads: the Triton tile tables, one per GPU generation
+    tiles = {n for n in names if n.startswith("graft/kernels/triton/tiles/") and n.endswith(".json")}
+    source = {f"graft/kernels/triton/tiles/{p.name}" for p in (ROOT / "graft/kernels/triton/tiles").glob("*.json")}
+    assert source and tiles == source, (sorted(source), sorted(tiles))
 
 
 def test_entry_points_declared(wheel):

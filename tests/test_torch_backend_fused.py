@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import graft
-from graft.ops.attention import prefill_reference, prefill_torch
-from graft.ops.fused import layer_norm_reference, layer_norm_torch, rms_norm_reference, rms_norm_torch
+from graft.kernels.torch.attention import prefill_torch
+from graft.kernels.torch.fused import layer_norm_torch, rms_norm_torch
+from graft.ops.attention import prefill_reference
+from graft.ops.fused import layer_norm_reference, rms_norm_reference
 
 
 @pytest.fixture

@@ -86,7 +86,7 @@ def test_one_kernel_test_per_kernel_file_under_triton36(triton36):
     from graft.kernels.triton import _aot
 
     kernel_files = {m.__name__.rsplit(".", 1)[1] for m in _aot._modules(public_only=True)
-                    if getattr(m, "AOT_VARIANTS", None)}
+                    if _aot.module_variants(m)}
     covered = {kernel_file for _, kernel_file in SUBSET}
     assert kernel_files <= covered, f"no Triton 3.6 test for {sorted(kernel_files - covered)}"
     tests = [test for test, _ in SUBSET]

@@ -127,7 +127,7 @@ def test_specialisation_is_the_jits_and_keys_follow_it(tmp_path):
     _compiled_side('''
         from graft.kernels.triton import _aot, attention_decode_paged
 
-        v = attention_decode_paged.AOT_VARIANTS[0]
+        v = attention_decode_paged.aot_variants()[0]
         names = v.kernel.arg_names
         _, _, sig, consts, attrs = _aot.specialise(v, "sm_90")
         assert sig["stride_kd"] == "constexpr" and consts[(names.index("stride_kd"),)] == 1
@@ -176,14 +176,15 @@ def test_a_kernel_without_variant_is_reported(tmp_path, monkeypatch):
             tl.store(x_ptr + tl.arange(0, BLOCK), 0.0)
 
 
-        AOT_VARIANTS = [variant(covered_kernel, dict(BLOCK=16))]
+        def aot_variants():
+            return [variant(covered_kernel, dict(BLOCK=16))]
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
     import graft_aot_probe
 
     try:
         assert _aot.uncovered([graft_aot_probe]) == ["graft_aot_probe.forgotten_kernel"]
-        graft_aot_probe.AOT_VARIANTS = []
+        graft_aot_probe.aot_variants = lambda: []
         assert len(_aot.uncovered([graft_aot_probe])) == 3  # the helper is no longer reached either
     finally:
         sys.modules.pop("graft_aot_probe", None)
@@ -192,14 +193,14 @@ def test_a_kernel_without_variant_is_reported(tmp_path, monkeypatch):
 def test_signature_types_arguments_by_naming_convention():
     from graft.kernels.triton import attention_prefill, gemm_linear
 
-    gemm = _aot.signature(gemm_linear.AOT_VARIANTS[0])
+    gemm = _aot.signature(gemm_linear.aot_variants()[0])
     assert gemm["x_ptr"] == "*bf16" and gemm["M"] == gemm["K"] == "i32" and gemm["BLOCK_K"] == "constexpr"
-    tma = next(v for v in gemm_linear.AOT_VARIANTS if v.kernel is gemm_linear._linear_tma_kernel)
+    tma = next(v for v in gemm_linear.aot_variants() if v.kernel is gemm_linear._linear_tma_kernel)
     sig = _aot.signature(tma)
     assert sig["x_desc"] == sig["y"] == tma.pointer.replace("*", "desc*") and sig["bias_ptr"] == tma.pointer
     desc = _aot.launch_arguments(tma)["w_desc"]  # a host-side descriptor of the plan's block, as launched
     assert list(desc.block_shape) == [tma.constexprs["BLOCK_N"], tma.constexprs["BLOCK_K"]] and desc.strides[-1] == 1
-    attn = _aot.signature(attention_prefill.AOT_VARIANTS[0])
+    attn = _aot.signature(attention_prefill.aot_variants()[0])
     assert attn["K"] == "*fp16" and attn["CuSeqlensQ"] == "*i32" and attn["qk_scale"] == "fp32"
     assert attn["head_dim"] == "i32" and attn["CAUSAL"] == "constexpr"
 
@@ -239,9 +240,9 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     gcn = SimpleNamespace(asm={"amdgcn": "v_mfma_f32_32x32x8_bf16 a[0:15], v[0:1]\nglobal_load_dwordx4 v[4:7], v2"})
     assert _aot.fast_paths(gcn, "gfx942") == {"mma": "mfma", "copy": "vector16"}
 
-    bf16_gemm = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.kernel is gemm_linear._linear_kernel)
-    fp32_ieee = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*fp32" and v.constexprs["PRECISION"] == "ieee")
-    norm = fused_rms_norm.AOT_VARIANTS[0]
+    bf16_gemm = next(v for v in gemm_linear.aot_variants() if v.pointer == "*bf16" and v.kernel is gemm_linear._linear_kernel)
+    fp32_ieee = next(v for v in gemm_linear.aot_variants() if v.pointer == "*fp32" and v.constexprs["PRECISION"] == "ieee")
+    norm = fused_rms_norm.aot_variants()[0]
     scalar = {"mma": None, "copy": "cp.async16"}
     assert "scalar" in _aot.fast_path_problems(scalar, bf16_gemm, "sm_90")[0]
     assert "MFMA" in _aot.fast_path_problems(scalar, fp32_ieee, "gfx942")[0]  # gfx942 has fp32 MFMAs
@@ -249,7 +250,7 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     assert _aot.fast_path_problems(scalar, norm, "sm_90") == []  # no tl.dot: nothing to expect
     assert _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, bf16_gemm, "sm_90") == []
     # a 128-row tile on 8 warps must be a warp-group MMA on Hopper
-    big = next(v for v in gemm_linear.AOT_VARIANTS if v.pointer == "*bf16" and v.constexprs.get("BLOCK_M") == 128
+    big = next(v for v in gemm_linear.aot_variants() if v.pointer == "*bf16" and v.constexprs.get("BLOCK_M") == 128
                and v.kernel is gemm_linear._linear_kernel)
     assert "not wgmma" in _aot.fast_path_problems({"mma": "mma.sync", "copy": "cp.async16"}, big, "sm_90")[0]
     assert _aot.fast_path_problems({"mma": "wgmma", "copy": "cp.async16"}, big, "sm_90") == []
@@ -259,7 +260,7 @@ def test_fast_paths_are_read_from_the_code_and_a_scalar_dot_fails():
     assert _aot.fast_path_problems(narrow, big, "sm_90", aligned=False) == []
     assert "scalar loads" in _aot.fast_path_problems({"mma": "mfma", "copy": "narrow"}, big, "gfx942")[0]
     # a kernel with tensor descriptors must load by TMA on Hopper (also in the unaligned specialisation)
-    tma = next(v for v in gemm_linear.AOT_VARIANTS if v.kernel is gemm_linear._linear_tma_kernel)
+    tma = next(v for v in gemm_linear.aot_variants() if v.kernel is gemm_linear._linear_tma_kernel)
     assert _aot.fast_path_problems({"mma": "wgmma", "copy": "tma"}, tma, "sm_90") == []
     for found in ({"mma": "wgmma", "copy": "cp.async16"}, {"mma": "wgmma", "copy": "narrow"}):
         assert "not TMA" in _aot.fast_path_problems(found, tma, "sm_90", aligned=False)[0]
@@ -275,7 +276,7 @@ def test_w4a16_dequantises_without_int_to_float_conversions(tmp_path):
         import re
         from graft.kernels.triton import _aot, gemm_w4a16
         seen = set()
-        for v in gemm_w4a16.AOT_VARIANTS:
+        for v in gemm_w4a16.aot_variants():
             key = (v.targets[0], v.pointer, v.constexprs["AWQ"])
             if key in seen or v.pointer == "*fp32" or v.constexprs["BLOCK_M"] != 16:
                 continue

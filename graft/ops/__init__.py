@@ -1,8 +1,15 @@
-"""The op catalogue: one module per family, each defining ``OPS`` (a list of OpSpec),
-the torch references, input validation and the public entry points
-(e.g. ``graft.ops.gemm.linear(x, weight)``) that dispatch through backend selection.
+"""The op catalogue: one package per family, split by job:
 
-Modules are discovered, so adding a family module needs no edit here.
+* ``graft/ops/<family>/__init__.py``: ``OPS`` (a list of OpSpec), input validation and the
+  public entry points (e.g. ``graft.ops.gemm.linear(x, weight)``) that dispatch through
+  backend selection; it re-exports the two modules below.
+* ``reference.py``: the torch references (each op's definition and last resort).
+* ``cases.py``: ``CASES``, the conformance cases, and their input builders.
+
+The torch fast paths (torch kernels for the same math, ranked above the references) are
+kernels like any other backend's: ``graft/kernels/torch/<family>.py``.
+
+Families are discovered, so adding a family package needs no edit here.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 from graft.custom_ops import define_op
 from graft.kernels.cpp._build import load_library
 from graft.kernels.cpp._common import cpp_implementation
-from graft.ops.attention import FP8_KV_DTYPES, _fp8_values
+from graft.ops.attention.reference import FP8_KV_DTYPES, _fp8_values
 
 
 class _Kernel:

@@ -3,6 +3,9 @@
 The reference is the semantics every other backend must match, and the fallback
 when nothing faster can serve a request.
 """
+import importlib
+import pkgutil
+
 from graft.hookspecs import hookimpl
 from graft.registry import reference_impl
 
@@ -19,6 +22,15 @@ def graft_register_ops(registry):
     registry.add_ops(all_op_specs())
 
 
+def fast_path_modules():
+    """This folder's modules of torch fast paths (one per op family, e.g. ``graft.kernels.torch.attention``)."""
+    import graft.kernels.torch as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_") and info.name != "plugin":
+            yield importlib.import_module(f"{package.__name__}.{info.name}")
+
+
 @hookimpl(trylast=True)
 def graft_register_kernels(registry):
     # trylast: ops defined by any adapter get a reference impl too.
@@ -27,10 +39,8 @@ def graft_register_kernels(registry):
             registry.add_impl(reference_impl(spec, provider=""))
     # Where torch has a faster kernel for the same math, graft's torch backend uses it
     # (ranked above the reference, which stays the definition and last resort).
-    # Each op family module lists those in ``torch_implementations()``, beside the reference.
-    from graft.ops import family_modules
-
-    for module in family_modules():
-        for impl in getattr(module, "torch_implementations", list)():
+    # Each module of this folder lists those in ``torch_implementations()``.
+    for module in fast_path_modules():
+        for impl in module.torch_implementations():
             if impl.op in registry.ops:
                 registry.add_impl(impl)

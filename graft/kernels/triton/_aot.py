@@ -8,9 +8,10 @@ gfx942 (MI300), and each binary's resources are checked against the target's lim
 
     TRITON_INTERPRET=0 python -m graft.kernels.triton._aot [--target sm_90|gfx942]... [--quick]
 
-Each kernel module declares what its launchers can launch in a module-level
-``AOT_VARIANTS`` list of :class:`AotVariant` (built with :func:`variant`), derived from
-the same tile tables and fitting rules the launchers use. A variant is compiled with the
+Each kernel module declares what its launchers can launch in a module-level function
+``aot_variants()`` returning a list of :class:`AotVariant` (built with :func:`variant`), derived
+from the same tile tables and fitting rules the launchers use; the check calls it
+(:func:`module_variants`), so importing a kernel module builds none. A variant is compiled with the
 JIT's own specialisation (Triton's binder turns the variant's example argument values
 into the signature, constants and ``tt.divisibility`` attributes exactly as a launch
 does: an int equal to 1 becomes a constant, a multiple of 16 is marked divisible): by
@@ -159,11 +160,17 @@ def _modules(public_only: bool):
         yield importlib.import_module(f"{package.__name__}.{info.name}")
 
 
+def module_variants(module) -> list:
+    """The AOT variants a kernel module declares (its ``aot_variants()``; none without one)."""
+    build = getattr(module, "aot_variants", None)
+    return list(build()) if build is not None else []
+
+
 def variants(targets=tuple(TARGETS), quick: bool = False):
     """(target, variant) pairs to compile; ``quick``: the first variant per kernel and target."""
     seen = set()
     for module in _modules(public_only=True):
-        for v in getattr(module, "AOT_VARIANTS", ()):
+        for v in module_variants(module):
             for target in targets:
                 if target not in v.targets or (quick and (v.kernel, target) in seen):
                     continue
@@ -223,7 +230,7 @@ def jit_functions(modules=None) -> list:
 def uncovered(modules=None) -> list[str]:
     """Qualified names of the @triton.jit functions no AOT variant compiles."""
     modules = list(modules) if modules is not None else list(_modules(public_only=False))
-    covered = reachable({v.kernel for m in modules for v in getattr(m, "AOT_VARIANTS", ())})
+    covered = reachable({v.kernel for m in modules for v in module_variants(m)})
     return [f"{fn.fn.__module__}.{fn.fn.__name__}" for fn in jit_functions(modules) if fn not in covered]
 
 
@@ -566,7 +573,7 @@ def main(argv=None) -> int:
         print("run with TRITON_INTERPRET=0: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
     print(f"Triton {triton_version()}", flush=True)
-    problems = [f"no AOT variant compiles {name} (add one to its module's AOT_VARIANTS)" for name in uncovered()]
+    problems = [f"no AOT variant compiles {name} (add one to its module's aot_variants())" for name in uncovered()]
     targets = tuple(args.target or TARGETS)
     cache = load_cache() if (args.cache or args.update_cache) else None
     selected = None

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graft.kernels.triton._autotune import bounded_rows, tile_table
 from graft.platform import device_info
 
 # Per-generation limits: shared memory per block (bytes) and SM/CU count for a device we
@@ -38,37 +39,14 @@ from graft.platform import device_info
 SHARED_LIMIT = {"hopper": 232_448, "cdna3": 65_536, "blackwell": 232_448, "ampere": 166_912, "default": 101_376}
 SM_COUNT = {"hopper": 132, "cdna3": 304, "default": 80}
 
-_T = dict  # a tile config row, for readability of the table below
+_T = dict  # a tile config row, for readability
 
 # (max_m or None, config). BLOCK_K comes from K_BYTES unless a row names BLOCK_K itself.
-TILES = {
-    "hopper": (
-        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=4)),
-        (32, _T(BLOCK_M=32, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=4)),
-        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=128, GROUP_M=4, num_warps=4, num_stages=4)),
-        (128, _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4)),
-        # wgmma-sized tile for prefill: 128x256 with 3 stages is 144 KiB at 2-byte operands.
-        (None, _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)),
-    ),
-    # CDNA3: 64 KiB LDS, and the stream pipeliner keeps num_stages - 1 tiles in LDS.
-    "cdna3": (
-        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=2)),
-        (32, _T(BLOCK_M=32, BLOCK_N=64, K_BYTES=256, GROUP_M=1, num_warps=4, num_stages=2)),
-        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=128, GROUP_M=4, num_warps=4, num_stages=2)),
-        (128, _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=2)),
-        (None, _T(BLOCK_M=128, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=2)),
-    ),
-    "default": (
-        (16, _T(BLOCK_M=16, BLOCK_N=64, K_BYTES=128, GROUP_M=1, num_warps=4, num_stages=3)),
-        (64, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=64, GROUP_M=8, num_warps=4, num_stages=3)),
-        (None, _T(BLOCK_M=64, BLOCK_N=64, K_BYTES=64, GROUP_M=8, num_warps=4, num_stages=3)),
-    ),
-    # The interpreter runs programs one by one in numpy: few, mid-sized tiles are fastest.
-    "interpreter": (
-        (16, _T(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=1, num_stages=1)),
-        (None, _T(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=1, num_stages=1)),
-    ),
-}
+# Rows per generation in tiles/<generation>.json ("gemm"), loaded once:
+# * hopper's prefill row (max_m None) is wgmma-sized: 128x256 with 3 stages is 144 KiB at 2-byte operands;
+# * CDNA3: 64 KiB LDS, and the stream pipeliner keeps num_stages - 1 tiles in LDS;
+# * the interpreter runs programs one by one in numpy: few, mid-sized tiles are fastest.
+TILES = bounded_rows(tile_table("gemm"))
 
 # Rows a tile sweep on the GPU measured faster for one kernel kind than the shared row it
 # replaces (key: that row's max_m; None is the last, prefill row). H200, Triton 3.6,
@@ -79,12 +57,10 @@ TILES = {
 #   warps ran 2.26x faster (0.22x -> 0.49x of row-wise _scaled_mm).
 # The same sweep found the shared rows best for W4A16 at large M and for bf16 at M<=16 and
 # M<=128; W8A8 and per-tensor fp8 were not swept and keep the shared rows.
+# Rows per generation in tiles/<generation>.json ("gemm_kinds"), loaded once.
 KIND_TILES: dict[str, dict[str, dict[int | None, dict]]] = {
-    "hopper": {
-        "linear": {None: _T(BLOCK_M=256, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3)},
-        "fp8_block": {None: _T(BLOCK_M=64, BLOCK_N=128, K_BYTES=128, GROUP_M=8, num_warps=4, num_stages=4)},
-    },
-}
+    generation: {kind: dict(rows) for kind, rows in bounded_rows(kinds).items()}
+    for generation, kinds in tile_table("gemm_kinds").items()}
 
 # Hopper's TMA GEMM (gemm_linear's persistent kernel, :func:`tma_plan`): at prefill M, 16-bit
 # operands, a plan without split-K. The copy engine loads A and B tiles by descriptor (zero
@@ -92,9 +68,8 @@ KIND_TILES: dict[str, dict[str, dict[int | None, dict]]] = {
 # walks the output tiles, and the tile loop is flattened into the K loop, so the next tile's
 # loads are in flight during this tile's epilogue. 128x256 tiles of 64 K, 3 stages: 144 KiB
 # staged plus the 64 KiB output tile the TMA store reads from, of the 227 KiB.
-TMA_TILES = {
-    "hopper": _T(BLOCK_M=128, BLOCK_N=256, K_BYTES=128, GROUP_M=8, num_warps=8, num_stages=3),
-}
+# Rows per generation in tiles/<generation>.json ("gemm_tma"), loaded once.
+TMA_TILES = tile_table("gemm_tma")
 TMA_MIN_M = 129  # the prefill bucket: at fewer rows the pointer rows (thin tiles, split-K) fill the GPU
 # The TMA kernel's warp-specialised form (gemm_linear._linear_tma_kernel, WARP_SPECIALIZE): the
 # tile Triton 3.6 specialises on sm_90 (4 warps: 3 warp groups, 168 registers, 112 KiB of shared

@@ -41,7 +41,7 @@ from graft.kernels.triton._attention_common import (
     head_dim_reason,
     resolve_scale,
 )
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._dot import dot_f32, dot_flags
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
@@ -50,14 +50,8 @@ from graft.platform import device_info, is_rocm, triton_interpret
 OP = "attention.decode_paged"
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-TILES = {
-    "hopper": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "blackwell": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "ampere": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "cdna3": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
-    "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-    "interpreter": {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
-}
+# Rows per generation in tiles/<generation>.json ("attention_decode_paged"), loaded once.
+TILES = tile_table("attention_decode_paged")
 
 # Split heuristic: aim for this many programs per streaming multiprocessor / compute unit,
 # never give a split fewer than MIN_SPLIT_TOKENS tokens, and cap the partial buffers.
@@ -381,4 +375,6 @@ def _aot_variants():
                           PartSum="*fp32")
 
 
-AOT_VARIANTS = list(_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants())

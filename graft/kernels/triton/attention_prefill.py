@@ -30,7 +30,7 @@ from graft.kernels.triton._attention_common import (
     resolve_scale,
     seq_bounds,
 )
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._dot import dot_f32, dot_flags
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
@@ -38,18 +38,12 @@ from graft.kernels.triton._common import on_device, triton_implementation
 OP = "attention.prefill"
 
 # BLOCK_M query rows x BLOCK_N keys per step, for head dims up to 128 in 16-bit types.
-TILES = {
-    "hopper": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    "blackwell": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    "ampere": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    # gfx942: 4 waves of 128x64 took 332-343 VGPRs (one wave per SIMD: nothing hides a load's
-    # latency); 8 waves fitted to 2 per SIMD (waves_per_eu) take 229-242 and spill nothing
-    # (4 waves at waves_per_eu 2 spill 179-238). The AOT check holds every variant to 0 spills.
-    "cdna3": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "waves_per_eu": 2},
-    "default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    # Small tiles in the interpreter: fast, and short test sequences still span several tiles.
-    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
-}
+# Rows per generation in tiles/<generation>.json ("attention_prefill"), loaded once.
+# cdna3 (gfx942): 4 waves of 128x64 took 332-343 VGPRs (one wave per SIMD: nothing hides a load's
+# latency); 8 waves fitted to 2 per SIMD (waves_per_eu) take 229-242 and spill nothing
+# (4 waves at waves_per_eu 2 spill 179-238). The AOT check holds every variant to 0 spills.
+# interpreter: small tiles, fast, and short test sequences still span several tiles.
+TILES = tile_table("attention_prefill")
 
 
 @triton.jit
@@ -401,6 +395,8 @@ def _zero_aot_variants():
                           targets=(target,), values=dict(stride_od=1), CuSeqlens="*i32")
 
 
-AOT_VARIANTS = list(_aot_variants()) + list(_zero_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants()) + list(_zero_aot_variants())
 
 from graft.kernels.triton import attention_prefill_backward  # noqa: E402,F401  registers the backward

@@ -23,17 +23,13 @@ import triton.language as tl
 from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import per_target, split_tiles, variant
 from graft.kernels.triton._attention_common import LOG2E, head_dim_block, seq_bounds
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._common import on_device
 from graft.kernels.triton._dot import dot_f32, dot_flags
 from graft.kernels.triton.attention_prefill import _forward, prefill_op
 
-TILES = {
-    "hopper": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-    "cdna3": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
-    "default": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
-    "interpreter": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1},
-}
+# Rows per generation in tiles/<generation>.json ("attention_prefill_backward"), loaded once.
+TILES = tile_table("attention_prefill_backward")
 
 
 @triton.jit
@@ -277,4 +273,6 @@ def _aot_variants():
                               accept_spills={"gfx942 unaligned": ODD_STRIDES_SPILL}, **ints)
 
 
-AOT_VARIANTS = list(_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants())

@@ -21,15 +21,13 @@ import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
 from graft.kernels.triton._aot import variant
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton.fused_rms_norm import _rows, row_programs
 
 MAX_HIDDEN = 16384
-TILES = {
-    "default": {"num_warps": 8},
-    "interpreter": {"num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("fused_layer_norm"), loaded once.
+TILES = tile_table("fused_layer_norm")
 
 
 @triton.jit
@@ -165,11 +163,13 @@ def register(registry) -> None:
     ))
 
 
-AOT_VARIANTS = [
-    variant(_layer_norm_fwd_kernel, dict(HAS_BIAS=True, BLOCK=4096), pointer="*bf16", options={"num_warps": 8},
-            eps="fp32"),
-    variant(_layer_norm_fwd_kernel, dict(HAS_BIAS=False, BLOCK=1024), pointer="*fp32", options={"num_warps": 8},
-            eps="fp32"),
-    variant(_layer_norm_bwd_kernel, dict(BLOCK=4096), pointer="*bf16", options={"num_warps": 8}, eps="fp32",
-            dw_ptr="*fp32", db_ptr="*fp32"),
-]
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return [
+        variant(_layer_norm_fwd_kernel, dict(HAS_BIAS=True, BLOCK=4096), pointer="*bf16", options={"num_warps": 8},
+                eps="fp32"),
+        variant(_layer_norm_fwd_kernel, dict(HAS_BIAS=False, BLOCK=1024), pointer="*fp32", options={"num_warps": 8},
+                eps="fp32"),
+        variant(_layer_norm_bwd_kernel, dict(BLOCK=4096), pointer="*bf16", options={"num_warps": 8}, eps="fp32",
+                dw_ptr="*fp32", db_ptr="*fp32"),
+    ]

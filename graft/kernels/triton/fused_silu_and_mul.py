@@ -10,14 +10,12 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import define_op, register_backward
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._aot import variant
 from graft.kernels.triton._common import on_device, triton_implementation
 
-TILES = {
-    "default": {"block": 1024, "num_warps": 4},
-    "interpreter": {"block": 1024, "num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("fused_silu_and_mul"), loaded once.
+TILES = tile_table("fused_silu_and_mul")
 
 
 @triton.jit
@@ -66,10 +64,11 @@ def register(registry) -> None:
     ))
 
 
-AOT_VARIANTS = [
-    variant(_silu_and_mul_kernel, dict(BLOCK=block), pointer=f"*{dtype}", options={"num_warps": TILES["default"]["num_warps"]})
-    for dtype, block in (("bf16", 1024), ("fp16", 256), ("fp32", 1024))
-]
+def _forward_aot_variants() -> list:
+    return [
+        variant(_silu_and_mul_kernel, dict(BLOCK=block), pointer=f"*{dtype}", options={"num_warps": TILES["default"]["num_warps"]})
+        for dtype, block in (("bf16", 1024), ("fp16", 256), ("fp32", 1024))
+    ]
 
 
 # ---------------------------------------------------------------------------- backward
@@ -127,7 +126,10 @@ def _backward(ctx, dout):
 
 register_backward(silu_and_mul_op, _backward, _setup)
 
-AOT_VARIANTS += [
-    variant(_silu_and_mul_bwd_kernel, dict(BLOCK=1024), pointer=f"*{dtype}", options={"num_warps": 4})
-    for dtype in ("bf16", "fp32")
-]
+
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return _forward_aot_variants() + [
+        variant(_silu_and_mul_bwd_kernel, dict(BLOCK=1024), pointer=f"*{dtype}", options={"num_warps": 4})
+        for dtype in ("bf16", "fp32")
+    ]

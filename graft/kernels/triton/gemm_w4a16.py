@@ -318,4 +318,6 @@ def _aot_variants():
                               targets=(target,), values=UNIT_STRIDES, **packed)
 
 
-AOT_VARIANTS = list(_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants())

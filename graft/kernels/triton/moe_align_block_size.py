@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._aot import per_target, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.ops.moe import aligned_sizes
@@ -38,12 +38,8 @@ OP = "moe.align_block_size"
 
 # elems: one-hot tile size (slots x padded experts) per program; blocks: expert_ids
 # entries per program of the blocks kernel; scan: elements (chunks x experts) per scan step.
-TILES = {
-    "hopper": {"elems": 8192, "blocks": 256, "scan": 4096, "num_warps": 8},
-    "cdna3": {"elems": 8192, "blocks": 256, "scan": 4096, "num_warps": 8},
-    "default": {"elems": 8192, "blocks": 128, "scan": 4096, "num_warps": 4},
-    "interpreter": {"elems": 16384, "blocks": 256, "scan": 16384, "num_warps": 1},
-}
+# Rows per generation in tiles/<generation>.json ("moe_align_block_size"), loaded once.
+TILES = tile_table("moe_align_block_size")
 SCAN_E_MAX = 64  # experts per scan program: more programs for wide routers
 
 
@@ -223,4 +219,6 @@ def _aot_variants():
                           options=options, targets=(target,))
 
 
-AOT_VARIANTS = list(_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants())

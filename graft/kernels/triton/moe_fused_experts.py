@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from graft.custom_ops import custom_op_name, define_op
-from graft.kernels.triton._autotune import tile_config
+from graft.kernels.triton._autotune import tile_config, tile_table
 from graft.kernels.triton._aot import GENERATION, per_target, split_tiles, variant
 from graft.kernels.triton._common import on_device, triton_implementation
 from graft.kernels.triton._dot import dot_acc, dot_flags
@@ -38,26 +38,10 @@ DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 # "small": few rows per expert (decode), where a tall M tile would be mostly padding;
 # "large": prefill. BLOCK_N is the output tile of GEMM 2; GEMM 1 computes BLOCK_N // 2
 # gate columns and BLOCK_N // 2 up columns, the same accumulator footprint.
-TILES = {
-    "hopper": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    },
-    "cdna3": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
-    },
-    "default": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 3},
-        "large": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-    },
-    # The interpreter costs per tile op, not per FLOP: few programs, small M padding.
-    # GROUP_M 2 there so the tests walk the grouped order's bands and their ragged last band.
-    "interpreter": {
-        "small": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
-        "large": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2, "num_warps": 1, "num_stages": 1},
-    },
-}
+# Rows per generation in tiles/<generation>.json ("moe_fused_experts"), loaded once.
+# interpreter: it costs per tile op, not per FLOP: few programs, small M padding.
+# GROUP_M 2 there so the tests walk the grouped order's bands and their ragged last band.
+TILES = tile_table("moe_fused_experts")
 # GROUP_M: grouped tile order (see _grouped_tile). Prefill gives an expert many M blocks;
 # walking GROUP_M of them per weight column tile keeps that tile in L2 instead of
 # re-reading the expert's weights once per M block. Decode (one block per expert) gains
@@ -359,4 +343,6 @@ def _aot_variants():
                       values=COMBINE_VALUES)
 
 
-AOT_VARIANTS = list(_aot_variants())
+def aot_variants() -> list:
+    """What the AOT check compiles (graft.kernels.triton._aot); built when it asks, never at import."""
+    return list(_aot_variants())

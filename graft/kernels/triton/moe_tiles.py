@@ -33,48 +33,19 @@ from __future__ import annotations
 import torch
 
 from graft.errors import GraftInputError
+from graft.kernels.triton._autotune import bounded_rows, shape_key, tile_table
 from graft.platform import device_info
 
-_T = dict
-_DECODE_NARROW_H = _T(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-_DECODE_H = _T(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-_MID_H = _T(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)
-_LARGE_H = _T(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-_HUGE_H = _T(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
-
-_DECODE_NARROW_C = _T(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
-_MID_C = _T(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=2)
-_LARGE_C = _T(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
-_HUGE_C = _T(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2)
-
-
-def _many_narrow(decode, small, mid, large):
-    # DeepSeek-V3 / Qwen3-MoE class: about 1 row per expert at decode, 4-32 at small batches.
-    return ((4, decode), (32, small), (128, mid), (None, large))
-
-
-def _few_wide(decode, mid, large, huge):
-    # Mixtral class: 8 wide experts, a quarter of the tokens each (top-2).
-    return ((16, decode), (64, mid), (256, large), (None, huge))
-
-
-SHAPES: dict = {
-    "hopper": {
-        (256, 2048): _many_narrow(_DECODE_NARROW_H, _DECODE_H, _MID_H, _LARGE_H),  # DeepSeek-V3, EP
-        (256, 256): _many_narrow(_DECODE_NARROW_H, _DECODE_NARROW_H, _MID_H, _LARGE_H),  # DeepSeek-V3, TP8
-        (128, 768): _many_narrow(_DECODE_NARROW_H, _DECODE_H, _MID_H, _LARGE_H),  # Qwen3-30B-A3B
-        (8, 14336): _few_wide(_DECODE_H, _MID_H, _LARGE_H, _HUGE_H),  # Mixtral 8x7B, TP1
-        (8, 7168): _few_wide(_DECODE_H, _MID_H, _LARGE_H, _HUGE_H),  # TP2
-        (8, 3584): _few_wide(_DECODE_H, _MID_H, _LARGE_H, _LARGE_H),  # TP4
-    },
-    "cdna3": {
-        (256, 2048): _many_narrow(_DECODE_NARROW_C, _DECODE_NARROW_C, _MID_C, _LARGE_C),
-        (256, 256): _many_narrow(_DECODE_NARROW_C, _DECODE_NARROW_C, _MID_C, _LARGE_C),
-        (128, 768): _many_narrow(_DECODE_NARROW_C, _DECODE_NARROW_C, _MID_C, _LARGE_C),
-        (8, 14336): _few_wide(_DECODE_NARROW_C, _MID_C, _LARGE_C, _HUGE_C),
-        (8, 7168): _few_wide(_DECODE_NARROW_C, _MID_C, _LARGE_C, _HUGE_C),
-    },
-}
+# Rows per generation in tiles/<generation>.json ("moe_shapes": "<experts>x<inter>" -> rows),
+# loaded once. Two row patterns, by the layer's class:
+# * many narrow experts (DeepSeek-V3 / Qwen3-MoE class: about 1 row per expert at decode, 4-32
+#   at small batches): bounds 4, 32, 128, none: decode, small, mid, large tiles;
+#   256x2048 DeepSeek-V3 (EP), 256x256 DeepSeek-V3 (TP8), 128x768 Qwen3-30B-A3B;
+# * few wide experts (Mixtral class: 8 wide experts, a quarter of the tokens each, top-2):
+#   bounds 16, 64, 256, none: decode, mid, large, huge tiles;
+#   8x14336 Mixtral 8x7B (TP1), 8x7168 (TP2), 8x3584 (TP4, hopper only: its huge row is the large one).
+SHAPES: dict = {generation: {shape_key(name): rows for name, rows in bounded_rows(shapes).items()}
+                for generation, shapes in tile_table("moe_shapes").items()}
 
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 

@@ -19,84 +19,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
 from graft.kernels.collectives import fastpath
-from graft.kernels.collectives._common import (
-    REDUCE_OPS,
-    VALIDATE_VAR,  # noqa: F401  (re-exported: the variable's documented home)
-    all_gather_single,
-    all_reduce_inplace,
-    reduce_scatter_single,
-    resolve_group,
-)
-from graft.kernels.collectives.agreement import ANY, Call, agree, dtype_name
+from graft.kernels.collectives._common import REDUCE_OPS, resolve_group
+from graft.kernels.collectives.agreement import agree, ANY, Call, dtype_name
+from graft.ops.collectives.reference import (_all_gather_gemm_ref, _all_gather_quantized_ref, _all_gather_ref,
+                                             _all_reduce_ref, _gemm_reduce_scatter_ref, _reduce_scatter_ref)
 from graft.registry import OpSpec
 
-# --------------------------------------------------------------------------------------
-# references: the plain library collectives / non-overlapped compute
-# --------------------------------------------------------------------------------------
-def _all_reduce_ref(x, group=None, op="sum"):
-    out = x.contiguous().clone()
-    all_reduce_inplace(out, op, resolve_group(group))
-    return out
 
-
-def _all_gather_ref(x, group=None, sizes=None):
-    pg = resolve_group(group)
-    ws = dist.get_world_size(pg)
-    x = x.contiguous()
-    if sizes is None:
-        out = x.new_empty((ws * x.shape[0],) + tuple(x.shape[1:]))
-        all_gather_single(out, x, group=pg)
-        return out
-    # Uneven shards: the library gathers equal sizes only, so pad each to the largest.
-    biggest = max(sizes)
-    padded = x.new_zeros((biggest,) + tuple(x.shape[1:]))
-    padded[: x.shape[0]] = x
-    out = x.new_empty((ws * biggest,) + tuple(x.shape[1:]))
-    all_gather_single(out, padded, group=pg)
-    return torch.cat([out[r * biggest : r * biggest + n] for r, n in enumerate(sizes)])
-
-
-def _reduce_scatter_ref(x, group=None, op="sum", sizes=None):
-    pg = resolve_group(group)
-    ws, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    x = x.contiguous()
-    rest = tuple(x.shape[1:])
-    if sizes is None:
-        out = x.new_empty((x.shape[0] // ws,) + rest)
-        reduce_scatter_single(out, x, op, group=pg)
-        return out
-    biggest = max(sizes)
-    padded = x.new_zeros((ws * biggest,) + rest)
-    start = 0
-    for r, n in enumerate(sizes):
-        padded[r * biggest : r * biggest + n] = x[start : start + n]
-        start += n
-    out = x.new_empty((biggest,) + rest)
-    reduce_scatter_single(out, padded, op, group=pg)
-    return out[: sizes[rank]].clone()
-
-
-def _all_gather_quantized_ref(x, group=None, block_size=128):
-    # The exact gather that the quantized implementations approximate (see
-    # graft.kernels.collectives.all_gather_quantized for the error bound).
-    return _all_gather_ref(x, group)
-
-
-def _gemm_reduce_scatter_ref(a, b, group=None):
-    return _reduce_scatter_ref(a @ b, group)
-
-
-def _all_gather_gemm_ref(a, b, group=None):
-    return _all_gather_ref(a, group) @ b
-
-
-# --------------------------------------------------------------------------------------
-# validation: local checks, then the cross-rank agreement (agreement.py)
-# --------------------------------------------------------------------------------------
+# Validation: local checks, then the cross-rank agreement (agreement.py).
 def _group_or_fail(call: Call, group):
     if not dist.is_available() or not dist.is_initialized():
         raise GraftInputError(
@@ -272,9 +205,6 @@ OPS = [
 ]
 
 
-# --------------------------------------------------------------------------------------
-# public entry points
-# --------------------------------------------------------------------------------------
 def all_reduce(x, group=None, op: str = "sum"):
     """Sum (or max/min) ``x`` over the ranks of ``group``; returns a new tensor."""
     return fastpath.all_reduce(x, group, op)
@@ -323,46 +253,5 @@ all_gather_into = fastpath.all_gather_into
 reduce_scatter_into = fastpath.reduce_scatter_into
 
 
-# --------------------------------------------------------------------------------------
-# cases: run inside a process group (graft's conformance runs them per rank; inputs
-# depend on the rank so the reduction is not trivially world_size * x)
-# --------------------------------------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rand(shape, device, dtype, gen, rank_salt=True):
-    if rank_salt:
-        for _ in range(_rank()):
-            torch.rand(1, generator=gen)
-    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-
-def _ar_case(name, shape, op="sum", tags=("quick",)):
-    return OpCase("collectives.all_reduce", name,
-                  lambda device, dtype, gen: ((_rand(shape, device, dtype, gen), None, op), {}),
-                  tags=frozenset(tags))
-
-
-CASES = [
-    _ar_case("n1", (1,)),
-    _ar_case("n1023", (1023,)),
-    _ar_case("m7_n33_max", (7, 33), op="max"),
-    _ar_case("n4m", (4 * 1024 * 1024,), tags=("gpu",)),
-    OpCase("collectives.all_gather", "m5_n17",
-           lambda device, dtype, gen: ((_rand((5, 17), device, dtype, gen), None, None), {})),
-    OpCase("collectives.reduce_scatter", "m_world_x6_n9",
-           lambda device, dtype, gen: ((_rand((6 * _world(), 9), device, dtype, gen), None, "sum", None), {})),
-    OpCase("collectives.all_gather_quantized", "m3_n200",
-           lambda device, dtype, gen: ((_rand((3, 200), device, dtype, gen), None, 64), {})),
-    OpCase("collectives.gemm_reduce_scatter", "m_world_x8_k24_n20",
-           lambda device, dtype, gen: ((_rand((8 * _world(), 24), device, dtype, gen),
-                                        _rand((24, 20), device, dtype, gen, False), None), {})),
-    OpCase("collectives.all_gather_gemm", "m9_k24_n20",
-           lambda device, dtype, gen: ((_rand((9, 24), device, dtype, gen),
-                                        _rand((24, 20), device, dtype, gen, False), None), {})),
-]
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
+from graft.ops.collectives.cases import CASES

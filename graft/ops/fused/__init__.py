@@ -29,120 +29,15 @@ import numbers
 
 import torch
 
-from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, check_same_device, check_tensor, checks_values_on, readable_bounds
+from graft.ops._validate import check_same_device, check_tensor, checks_values_on, readable_bounds
+from graft.ops.fused.reference import (adam_step_reference, layer_norm_reference, rms_norm_reference,
+                                       rotary_embedding_reference, silu_and_mul_reference)
 from graft.registry import OpSpec
 
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# --------------------------------------------------------------------------- references
-
-
-def rms_norm_reference(x, weight, eps=1e-6, residual=None):
-    xf = acc(x)
-    if residual is not None:
-        xf = xf + acc(residual)
-    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = (xf * rstd * acc(weight)).to(x.dtype)
-    if residual is None:
-        return out
-    return out, xf.to(x.dtype)
-
-
-def rms_norm_torch(x, weight, eps=1e-6, residual=None):
-    """graft's torch backend of fused.rms_norm: torch's fused RMSNorm kernel
-    (``F.rms_norm``, what ``torch.nn.RMSNorm`` runs) on the reference's fp32 values, rounded
-    once to ``x``'s dtype; differentiable through torch's own backward. In fp32 it is exactly
-    the call a framework makes itself (no conversions: each costs a Python call per op call)."""
-    if x.dtype is torch.float32 and weight.dtype is torch.float32:
-        if residual is None:
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-        if residual.dtype is torch.float32:
-            added = x + residual
-            return torch.nn.functional.rms_norm(added, (added.shape[-1],), weight, eps), added
-    xf = acc(x)
-    if residual is not None:
-        xf = xf + acc(residual)
-    out = torch.nn.functional.rms_norm(xf, (xf.shape[-1],), acc(weight), eps).to(x.dtype)
-    if residual is None:
-        return out
-    return out, xf.to(x.dtype)
-
-
-def layer_norm_torch(x, weight, bias=None, eps=1e-5):
-    """graft's torch backend of fused.layer_norm: in fp32, exactly the call a framework makes
-    itself (``F.layer_norm``, what ``torch.nn.LayerNorm`` runs: the reference's three
-    ``.float()`` and one ``.to()`` are each a Python call per op call, about 2 us in all on
-    the CPU); other dtypes take the reference (fp32 math, one rounding)."""
-    if x.dtype is torch.float32 and weight.dtype is torch.float32 and (bias is None or bias.dtype is torch.float32):
-        return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    return layer_norm_reference(x, weight, bias, eps)
-
-
-def torch_implementations():
-    """graft's torch backend of fused.rms_norm, fused.layer_norm and fused.adam_step (rank
-    above the plain references)."""
-    from graft.registry import torch_fast_path
-
-    return _adam_torch_implementations() + [
-        torch_fast_path("fused.rms_norm", rms_norm_torch,
-                        "torch.nn.functional.rms_norm (what torch.nn.RMSNorm runs) on fp32 values"),
-        torch_fast_path("fused.layer_norm", layer_norm_torch,
-                        "torch.nn.functional.layer_norm (what torch.nn.LayerNorm runs) in fp32; the reference "
-                        "otherwise"),
-    ]
-
-
-def layer_norm_reference(x, weight, bias=None, eps=1e-5):
-    b = None if bias is None else acc(bias)
-    return torch.nn.functional.layer_norm(acc(x), (x.shape[-1],), acc(weight), b, eps).to(x.dtype)
-
-
-def silu_and_mul_reference(x):
-    d = x.shape[-1] // 2
-    if x.dtype is torch.float32:  # no conversions to skip: the framework's own expression
-        return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
-    xf = acc(x)
-    return (torch.nn.functional.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
-
-
-def _rotate_reference(x, cos, sin, head_size, is_neox):
-    """x: [T, H*D] or [T, H, D]; cos/sin: [T, rot_dim/2] fp32."""
-    shape = x.shape
-    xf = acc(x).reshape(shape[0], -1, head_size)
-    rot_dim = cos.shape[-1] * 2
-    rot, rest = xf[..., :rot_dim], xf[..., rot_dim:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    if is_neox:
-        x1, x2 = rot[..., : rot_dim // 2], rot[..., rot_dim // 2 :]
-    else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    if is_neox:
-        rotated = torch.cat((o1, o2), dim=-1)
-    else:
-        rotated = torch.stack((o1, o2), dim=-1).flatten(-2)
-    return torch.cat((rotated, rest), dim=-1).reshape(shape).to(x.dtype)
-
-
-def rotary_embedding_reference(positions, q, k, head_size, cos_sin_cache, is_neox=True):
-    pos = positions.reshape(-1).long()
-    # Positions outside [0, max_position) (value checks off) leave their token unrotated.
-    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
-    cos_sin = acc(cos_sin_cache).index_select(0, torch.where(ok, pos, 0))
-    cos, sin = cos_sin.chunk(2, dim=-1)
-    cos = torch.where(ok[:, None], cos, 1.0)
-    sin = torch.where(ok[:, None], sin, 0.0)
-    q_out = _rotate_reference(q, cos, sin, head_size, is_neox)
-    k_out = None if k is None else _rotate_reference(k, cos, sin, head_size, is_neox)
-    return q_out, k_out
-
-
-# --------------------------------------------------------------------------- validation
 
 
 def _check_float(name, t):
@@ -276,9 +171,6 @@ def check_rotary_embedding_values(positions, cos_sin_cache):
     )
 
 
-# --------------------------------------------------------------------------- public entry points
-
-
 def rms_norm(x, weight, eps: float = 1e-6, residual=None):
     """RMSNorm over the last dim; with ``residual``, returns ``(out, x + residual)``."""
     return call("fused.rms_norm", x, weight, eps, residual)
@@ -346,116 +238,6 @@ OPS = [
 ]
 
 
-# --------------------------------------------------------------------------- cases
-
-
-def _randn(shape, device, dtype, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-
-def _rms_case(name, shape, residual, tags=frozenset({"quick"})):
-    def make(device, dtype, gen):
-        x = _randn(shape, device, dtype, gen)
-        w = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
-        r = _randn(shape, device, dtype, gen) if residual else None
-        return (x, w, 1e-6, r), {}
-
-    def moved(args, kwargs):
-        x = args[0]
-        return x.numel() * x.element_size() * (4 if residual else 2)
-
-    return OpCase("fused.rms_norm", name + ("_residual" if residual else ""), make, tags=tags, flops=moved)
-
-
-def _ln_case(name, shape, bias=True, tags=frozenset({"quick"})):
-    def make(device, dtype, gen):
-        x = _randn(shape, device, dtype, gen, scale=2.0) + 0.5
-        w = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
-        b = _randn((shape[-1],), device, dtype, gen, scale=0.1) if bias else None
-        return (x, w, b, 1e-5), {}
-
-    def moved(args, kwargs):
-        x = args[0]
-        return x.numel() * x.element_size() * 2
-
-    return OpCase("fused.layer_norm", name + ("" if bias else "_nobias"), make, tags=tags, flops=moved)
-
-
-def _silu_case(name, shape, tags=frozenset({"quick"})):
-    def make(device, dtype, gen):
-        return (_randn(shape, device, dtype, gen, scale=2.0),), {}
-
-    def moved(args, kwargs):
-        x = args[0]
-        return x.numel() * x.element_size() * 3 // 2
-
-    return OpCase("fused.silu_and_mul", name, make, tags=tags, flops=moved)
-
-
-def cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, dtype=torch.float32, device="cpu"):
-    """The standard rotary cache: ``[max_position, rot_dim]`` = ``[cos | sin]`` of ``pos * base^(-2i/rot_dim)``."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=device, dtype=dtype)
-
-
-def _rope_case(name, tokens, q_heads, k_heads, head_size, rot_dim, is_neox, three_d=False, with_k=True,
-               tags=frozenset({"quick"})):
-    def make(device, dtype, gen):
-        max_pos = 4 * tokens + 7
-        positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
-        shape_q = (tokens, q_heads, head_size) if three_d else (tokens, q_heads * head_size)
-        shape_k = (tokens, k_heads, head_size) if three_d else (tokens, k_heads * head_size)
-        q = _randn(shape_q, device, dtype, gen)
-        k = _randn(shape_k, device, dtype, gen) if with_k else None
-        return (positions, q, k, head_size, cos_sin_cache(max_pos, rot_dim, device=device), is_neox), {}
-
-    def moved(args, kwargs):
-        q, k = args[1], args[2]
-        return 2 * (q.numel() + (0 if k is None else k.numel())) * q.element_size()
-
-    style = "neox" if is_neox else "gptj"
-    # Without k the second output is None: compare q_out only.
-    normalize = None if with_k else (lambda out: out[0])
-    return OpCase("fused.rotary_embedding", f"{name}_{style}", make, tags=tags, flops=moved, normalize=normalize)
-
-
-_GPU = frozenset({"gpu"})
-
-CASES = [
-    _rms_case("t1_h33", (1, 33), False),
-    _rms_case("t1_h33", (1, 33), True),
-    _rms_case("t7_h128", (7, 128), False),
-    _rms_case("b3_t5_h64", (3, 5, 64), True),
-    _rms_case("t3_h4097", (3, 4097), False),
-    _rms_case("t3_h4097", (3, 4097), True),
-    _rms_case("t0_h64_empty", (0, 64), True),
-    _rms_case("t4096_h4096", (4096, 4096), False, _GPU),
-    _rms_case("t4096_h8192", (4096, 8192), True, _GPU),
-    _ln_case("t1_h33", (1, 33)),
-    _ln_case("t7_h128", (7, 128), bias=False),
-    _ln_case("b3_t5_h64", (3, 5, 64)),
-    _ln_case("t3_h1025", (3, 1025)),
-    _ln_case("t0_h64_empty", (0, 64)),
-    _ln_case("t4096_h4096", (4096, 4096), tags=_GPU),
-    _silu_case("t1_d33", (1, 66)),
-    _silu_case("t5_d128", (5, 256)),
-    _silu_case("b2_t3_d17", (2, 3, 34)),
-    _silu_case("t3_d2049", (3, 4098)),
-    _silu_case("t0_d16_empty", (0, 32)),
-    _silu_case("t4096_d11008", (4096, 22016), _GPU),
-    _rope_case("t5_hq4_hk2_d64", 5, 4, 2, 64, 64, True),
-    _rope_case("t5_hq4_hk2_d64", 5, 4, 2, 64, 64, False),
-    _rope_case("t3_hq3_hk1_d80_rot32", 3, 3, 1, 80, 32, True),
-    _rope_case("t3_hq3_hk1_d80_rot32", 3, 3, 1, 80, 32, False),
-    _rope_case("t4_hq2_hk2_d72_rot40_3d", 4, 2, 2, 72, 40, False, three_d=True),
-    _rope_case("t2_hq2_d32_no_k", 2, 2, 0, 32, 32, True, with_k=False),
-    _rope_case("t4096_hq32_hk8_d128", 4096, 32, 8, 128, 128, True, tags=_GPU),
-    _rope_case("t4096_hq32_hk8_d128", 4096, 32, 8, 128, 128, False, tags=_GPU),
-]
-
-
-# =========================================================================== fused.adam_step
 # Optimizer steps the framework integrations need (family ``fused``).
 #
 # ``fused.adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
@@ -486,31 +268,12 @@ CASES = [
 OP = "fused.adam_step"
 
 
-def adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
-                        weight_decay=0.0, adam_w_mode=True, bias_correction=True):
-    p = param.float()
-    g = grad.float()
-    if not adam_w_mode and weight_decay:
-        g = g + weight_decay * p
-    m = beta1 * exp_avg.float() + (1.0 - beta1) * g
-    v = beta2 * exp_avg_sq.float() + (1.0 - beta2) * g * g
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2 = 1.0 - beta2**step if bias_correction else 1.0
-    update = (m / bc1) / (v.sqrt() / math.sqrt(bc2) + eps)
-    if adam_w_mode and weight_decay:
-        update = update + weight_decay * p
-    p = p - lr * update
-    return p.to(param.dtype), m.to(exp_avg.dtype), v.to(exp_avg_sq.dtype)
-
-
 def _check_number(name, value, low, high, *, high_open=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GraftInputError(f"{OP}: {name} must be a number, got {type(value).__name__}")
     if not low <= value <= high or (high_open and value == high):  # NaN fails every comparison
         bound = ")" if high_open else "]"
         raise GraftInputError(f"{OP}: {name} must be in [{low}, {high}{bound}, got {value}")
-
-
 
 
 def validate_adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
@@ -563,59 +326,6 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
                 weight_decay, adam_w_mode, bias_correction)
 
 
-# ---------------------------------------------------------------------------- torch backend
-
-TORCH_FUSED_DEVICES = ("cpu", "cuda")
-
-
-def _torch_fused_reason(param, exp_avg, exp_avg_sq, bias_correction) -> str | None:
-    """Why torch's fused Adam kernel cannot run this update (None: it can)."""
-    if not bias_correction:
-        return "bias_correction=False (torch's fused Adam always corrects)"
-    if param.device.type not in TORCH_FUSED_DEVICES:
-        return f"device {param.device.type}"
-    if not (param.dtype == exp_avg.dtype == exp_avg_sq.dtype):
-        return "moments in another dtype than the parameter"
-    return None
-
-
-def _torch_fused_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step, weight_decay, adam_w_mode):
-    """One in-place ``torch._fused_adam(w)_`` over every tensor (all contiguous, one device, one dtype).
-
-    Same math as the reference; AdamW applies the decay as ``p *= 1 - lr * wd`` first, which
-    is the reference's ``p - lr * (update + wd * p)`` regrouped (fp32 rounding differs by an ulp).
-    """
-    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    # torch keeps the step count in a tensor on the parameters' device (fp32, as torch.optim does).
-    steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
-    fused(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-          weight_decay=float(weight_decay), eps=float(eps), amsgrad=False, maximize=False)
-
-
-def adam_step_torch(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step,
-                    weight_decay=0.0, adam_w_mode=True, bias_correction=True):
-    """graft's torch backend: torch's fused Adam kernel on copies (the op is functional); the
-    reference where that kernel does not apply (no bias correction, mixed state dtypes)."""
-    if _torch_fused_reason(param, exp_avg, exp_avg_sq, bias_correction) is not None or param.numel() == 0:
-        return adam_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, step, weight_decay,
-                                   adam_w_mode, bias_correction)
-    fmt = torch.contiguous_format
-    p, m, v = (t.clone(memory_format=fmt) for t in (param, exp_avg, exp_avg_sq))
-    _torch_fused_([p], [grad.contiguous()], [m], [v], lr, beta1, beta2, eps, step, weight_decay, adam_w_mode)
-    return p, m, v
-
-
-def _adam_torch_implementations() -> list:
-    """The ``torch`` backend of fused.adam_step (ranks above the plain reference)."""
-    from graft.registry import torch_fast_path
-
-    return [torch_fast_path(OP, adam_step_torch,
-                            "torch._fused_adam(w)_ (what torch.optim.Adam(fused=True) runs); reference otherwise")]
-
-
-# ---------------------------------------------------------------------------- in place, many tensors
-
-
 def validate_adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step,
                         weight_decay=0.0, adam_w_mode=True, bias_correction=True):
     lists = (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs))
@@ -659,14 +369,14 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, step
     scalars = (lr, beta1, beta2, eps, step, weight_decay, adam_w_mode, bias_correction)
     impl = select(OP, p0, grads[0], m0, exp_avg_sqs[0], *scalars)
     rest = list(range(len(params)))
-    if impl.backend == "torch" and _torch_fused_reason(p0, m0, exp_avg_sqs[0], bias_correction) is None:
+    if impl.backend == "torch" and _torch_backend._torch_fused_reason(p0, m0, exp_avg_sqs[0], bias_correction) is None:
         same = [i for i in rest if params[i].device == p0.device and params[i].dtype == p0.dtype
                 and exp_avgs[i].dtype == m0.dtype and exp_avg_sqs[i].dtype == m0.dtype
                 and all(t.is_contiguous() for t in (params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]))]
         if same:
             pick = (lambda ts: ts) if len(same) == len(params) else (lambda ts: [ts[i] for i in same])
-            _torch_fused_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr, beta1, beta2, eps,
-                          step, weight_decay, adam_w_mode)
+            _torch_backend._torch_fused_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), lr, beta1,
+                                         beta2, eps, step, weight_decay, adam_w_mode)
             served = set(same)
             rest = [i for i in rest if i not in served]
     elif (multi_tensor_ := getattr(impl.fn, "multi_tensor_", None)) is not None:
@@ -697,28 +407,8 @@ OPS += [
 ]
 
 
-def _adam_case(name, shape, step, weight_decay, adam_w_mode, bias_correction=True, fp32_states=False,
-               tags=frozenset({"quick"})):
-    def make(device, dtype, gen):
-        param = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-        grad = (0.1 * torch.randn(shape, generator=gen)).to(device=device, dtype=dtype)
-        state_dtype = torch.float32 if fp32_states else dtype
-        exp_avg = (0.01 * torch.randn(shape, generator=gen)).to(device=device, dtype=state_dtype)
-        exp_avg_sq = (1e-4 * torch.rand(shape, generator=gen)).to(device=device, dtype=state_dtype)
-        return (param, grad, exp_avg, exp_avg_sq, 1e-3, 0.9, 0.999, 1e-8, step,
-                weight_decay, adam_w_mode, bias_correction), {}
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
+from graft.ops.fused.cases import cos_sin_cache, CASES
 
-    def moved(args, kwargs):
-        return sum(t.numel() * t.element_size() for t in args[:4]) * 7 // 4  # read 4, write 3
-
-    return OpCase(OP, name, make, tags=tags, flops=moved)
-
-
-CASES += [
-    _adam_case("n1_step1_adamw", (1,), 1, 0.01, True),
-    _adam_case("n7_step3_adam_l2", (7,), 3, 0.1, False),
-    _adam_case("n33x65_step10_adamw", (33, 65), 10, 0.01, True),
-    _adam_case("n129_step2_nodecay_nobias", (129,), 2, 0.0, True, bias_correction=False),
-    _adam_case("n17x3_fp32_states", (17, 3), 5, 0.05, True, fp32_states=True),
-    _adam_case("n16M_adamw", (4096, 4096), 100, 0.01, True, tags=frozenset({"gpu"})),
-]
+# The torch backend's one-call group path of adam_step_ (imported last: that module imports this one's names).
+from graft.kernels.torch import fused as _torch_backend

@@ -30,90 +30,21 @@ References compute in fp32 (dequantize, then matmul) and round once to the outpu
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, check_same_device, check_tensor
-from graft.quant import FORMATS, FP8_BLOCK, INTERLEAVE_K, PACK_FACTOR, dequantize_fp8, dequantize_int4, unpack_int4
+from graft.ops._validate import check_same_device, check_tensor
+from graft.ops.gemm.reference import (ACTIVATIONS, apply_activation, fp8_blockwise, fp8_reference, linear_reference,
+                                      w4a16_reference, w8a8_reference)
+from graft.quant import FORMATS, FP8_BLOCK, INTERLEAVE_K, PACK_FACTOR
 from graft.registry import OpSpec
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W8A8_OUT_DTYPES = (torch.float16, torch.bfloat16)
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_erf", "silu")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-# --------------------------------------------------------------------------- references
-
-
-def apply_activation(y: torch.Tensor, activation: str) -> torch.Tensor:
-    """The epilogue activations, on an fp32 tensor."""
-    if activation == "none":
-        return y
-    if activation == "relu":
-        return torch.relu(y)
-    if activation == "gelu":
-        return torch.nn.functional.gelu(y, approximate="tanh")
-    if activation == "gelu_erf":
-        return torch.nn.functional.gelu(y)
-    if activation == "silu":
-        return torch.nn.functional.silu(y)
-    raise GraftInputError(f"gemm.linear: unknown activation {activation!r}; expected one of {', '.join(ACTIVATIONS)}")
-
-
-def linear_reference(x, weight, bias=None, activation="none"):
-    y = acc(x) @ acc(weight).t()
-    if bias is not None:
-        y = y + acc(bias)
-    return apply_activation(y, activation).to(x.dtype)
-
-
-def w8a8_reference(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.float16):
-    # Integer-valued fp32 matmul (exact while K * 127^2 < 2^24, i.e. K < 1040), then the scales.
-    acc = x_q.float() @ w_q.float().t()
-    y = acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
-
-
-def w4a16_reference(x, qweight, scales, qzeros=None, bias=None, group_size=128, format="gptq"):
-    q, zeros = unpack_int4(qweight, qzeros, format)
-    w = dequantize_int4(q, zeros, scales, group_size)  # [K, N] fp32
-    y = x.float().reshape(-1, x.shape[-1]) @ w
-    if bias is not None:
-        y = y + bias.float()
-    return y.reshape(*x.shape[:-1], w.shape[1]).to(x.dtype)
-
-
-def fp8_blockwise(x_q, w_q, x_scale, w_scale) -> bool:
-    """True when the scales are DeepSeek-V3 block scales (see the module docstring). Where a
-    shape fits both readings (K <= 128: [M, 1]) the two readings compute the same thing."""
-    (m, k), n = x_q.shape, w_q.shape[0]
-    kg, ng = -(-k // FP8_BLOCK), -(-n // FP8_BLOCK)
-    return (x_scale.dim() == 2 and w_scale.dim() == 2 and tuple(x_scale.shape) == (m, kg)
-            and tuple(w_scale.shape) == (ng, kg))
-
-
-def fp8_reference(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
-    if fp8_blockwise(x_q, w_q, x_scale, w_scale):
-        x = dequantize_fp8(x_q, x_scale, (1, FP8_BLOCK))
-        w = dequantize_fp8(w_q, w_scale, (FP8_BLOCK, FP8_BLOCK))
-    else:
-        x = x_q.float() * x_scale.float().reshape(-1, 1)
-        w = w_q.float() * w_scale.float().reshape(-1, 1)
-    y = x @ w.t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
-
-
-# --------------------------------------------------------------------------- validation
 
 
 def _check_bias(op: str, bias, n: int, dtypes, device) -> None:
@@ -254,8 +185,6 @@ def validate_w4a16(x, qweight, scales, qzeros=None, bias=None, group_size=128, f
     _check_bias(op, bias, n, (x.dtype,), x.device)
 
 
-# --------------------------------------------------------------------------- ops and entry points
-
 OPS = [
     OpSpec(
         name="gemm.linear",
@@ -324,162 +253,5 @@ def fp8(x_q, w_q, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
     return call("gemm.fp8", x_q, w_q, x_scale, w_scale, bias, out_dtype)
 
 
-# --------------------------------------------------------------------------- cases
-
-
-def _randn(gen, *shape, scale=1.0):
-    return torch.randn(*shape, generator=gen) * scale
-
-
-def _linear_inputs(lead, n, k, bias, activation):
-    def make(device, dtype, gen):
-        x = _randn(gen, *lead, k).to(device, dtype)
-        w = _randn(gen, n, k, scale=1.0 / math.sqrt(k)).to(device, dtype)
-        b = _randn(gen, n).to(device, dtype) if bias else None
-        return (x, w, b, activation), {}
-
-    return make
-
-
-def _w8a8_inputs(m, n, k, per_tensor, bias):
-    def make(device, out_dtype, gen):
-        x_q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
-        w_q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        # Scales sized so the output is O(1): uniform int8 codes have std ~73, so x_q * xs
-        # is ~unit and w_q * ws ~1/sqrt(K).
-        xs0, ws0 = 1.0 / 73.0, 1.0 / (73.0 * math.sqrt(k))
-        if per_tensor:
-            xs, ws = torch.tensor(xs0), torch.tensor(ws0)
-        else:
-            xs = (torch.rand(m, 1, generator=gen) + 0.5) * xs0
-            ws = (torch.rand(n, generator=gen) + 0.5) * ws0
-        b = _randn(gen, n).to(out_dtype) if bias else None
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return (to(x_q), to(w_q), to(xs.float()), to(ws.float()), to(b), out_dtype), {}
-
-    return make
-
-
-def _w4a16_inputs(lead, n, k, group_size, fmt, zeros=True, bias=False):
-    from graft.quant import pack_int4
-
-    def make(device, dtype, gen):
-        g = k if group_size == -1 else group_size
-        q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
-        z = torch.randint(1, 16, (k // g, n), generator=gen, dtype=torch.int32) if zeros else None
-        qweight, qzeros = pack_int4(q, z, fmt)
-        scales = (torch.rand(k // g, n, generator=gen) + 0.5) / (4.0 * math.sqrt(k))
-        x = _randn(gen, *lead, k)
-        b = _randn(gen, n).to(device, dtype) if bias else None
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return (x.to(device, dtype), to(qweight), scales.to(device, dtype), to(qzeros), b, group_size, fmt), {}
-
-    return make
-
-
-def _fp8_inputs(m, n, k, scales, bias):
-    from graft.quant import quantize_fp8_block, quantize_fp8_per_tensor, quantize_fp8_per_token_group
-
-    def make(device, out_dtype, gen):
-        x = _randn(gen, m, k)
-        w = _randn(gen, n, k, scale=1.0 / math.sqrt(k))
-        if scales == "block":
-            (x_q, xs), (w_q, ws) = quantize_fp8_per_token_group(x), quantize_fp8_block(w)
-        elif scales == "tensor":
-            (x_q, xs), (w_q, ws) = quantize_fp8_per_tensor(x), quantize_fp8_per_tensor(w)
-        else:  # per token x per channel
-            whole_row = max(k, 1)  # one group spanning K: one scale per row
-            (x_q, xs), (w_q, ws) = quantize_fp8_per_token_group(x, whole_row), quantize_fp8_per_token_group(w, whole_row)
-        b = _randn(gen, n).to(out_dtype) if bias else None
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return (to(x_q), to(w_q), to(xs.float()), to(ws.float()), to(b), out_dtype), {}
-
-    return make
-
-
-def _reduction_k(args, kwargs):
-    return args[0].shape[-1]
-
-
-def _flops_linear(args, kwargs):
-    x, w = args[0], args[1]
-    return 2.0 * x.numel() * w.shape[0]
-
-
-def _flops_w8a8(args, kwargs):
-    x_q, w_q = args[0], args[1]
-    return 2.0 * x_q.shape[0] * x_q.shape[1] * w_q.shape[0]
-
-
-def _flops_fp8(args, kwargs):
-    return _flops_w8a8(args, kwargs)
-
-
-def _flops_w4a16(args, kwargs):
-    x, qweight, fmt = args[0], args[1], args[6]
-    _, n = w4a16_dims(x, qweight, fmt)
-    return 2.0 * x.numel() * n
-
-
-_QUICK = frozenset({"quick"})
-_GPU = frozenset({"gpu"})
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _case(op, name, make, dtypes, tags, flops):
-    return OpCase(op, name, make, dtypes, tags, flops=flops, reduction=_reduction_k)
-
-
-def _lead_name(lead):
-    return "x".join(map(str, lead))
-
-
-def _cases():
-    cases = []
-    for lead, n, k, bias, act in [
-        ((1,), 7, 16, False, "none"),
-        ((3,), 48, 33, True, "relu"),
-        ((17,), 129, 128, True, "gelu"),
-        ((64,), 48, 96, False, "gelu_erf"),
-        ((2, 5), 33, 64, True, "silu"),
-    ]:
-        name = f"m{_lead_name(lead)}_n{n}_k{k}{'_bias' if bias else ''}_{act}"
-        make = _linear_inputs(lead, n, k, bias, act)
-        cases.append(_case("gemm.linear", name, make, FLOAT_DTYPES, _QUICK, _flops_linear))
-    for m, n, k, act in [(4096, 4096, 4096, "none"), (16, 4096, 4096, "none"), (2048, 11008, 4096, "silu")]:
-        make = _linear_inputs((m,), n, k, False, act)
-        cases.append(_case("gemm.linear", f"m{m}_n{n}_k{k}_{act}", make, _HALF_DTYPES, _GPU, _flops_linear))
-    for m, n, k, per_tensor, bias in [(1, 7, 16, False, False), (17, 48, 33, True, True), (64, 129, 128, False, True)]:
-        name = f"m{m}_n{n}_k{k}_{'per_tensor' if per_tensor else 'per_token'}{'_bias' if bias else ''}"
-        make = _w8a8_inputs(m, n, k, per_tensor, bias)
-        cases.append(_case("gemm.w8a8", name, make, W8A8_OUT_DTYPES, _QUICK, _flops_w8a8))
-    for m, n, k in [(4096, 4096, 4096), (16, 4096, 4096)]:
-        make = _w8a8_inputs(m, n, k, False, False)
-        cases.append(_case("gemm.w8a8", f"m{m}_n{n}_k{k}_per_token", make, W8A8_OUT_DTYPES, _GPU, _flops_w8a8))
-    for fmt in FORMATS:
-        # gptq_interleaved needs K in blocks of 128; its group of 32 takes 2 MMA slices per step
-        ks = (128, 128, 128, 256) if fmt == "gptq_interleaved" else (32, 64, 128, 256)
-        for (lead, n, g, zeros, bias), k in zip([
-            ((1,), 8, 32, True, False),
-            ((3,), 24, -1, True, True),
-            ((17,), 136, 64, False, False),
-            ((2, 3), 16, 128, True, False),
-        ], ks):
-            name = f"{fmt}_m{_lead_name(lead)}_n{n}_k{k}_g{g}{'' if zeros else '_sym'}{'_bias' if bias else ''}"
-            make = _w4a16_inputs(lead, n, k, g, fmt, zeros, bias)
-            cases.append(_case("gemm.w4a16", name, make, _HALF_DTYPES, _QUICK, _flops_w4a16))
-        for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
-            make = _w4a16_inputs((m,), n, k, 128, fmt)
-            cases.append(_case("gemm.w4a16", f"{fmt}_m{m}_n{n}_k{k}_g128", make, _HALF_DTYPES, _GPU, _flops_w4a16))
-    for m, n, k, scales, bias in [(1, 7, 16, "tensor", False), (17, 48, 33, "row", True), (5, 130, 300, "block", False),
-                                  (64, 129, 128, "block", True)]:
-        make = _fp8_inputs(m, n, k, scales, bias)
-        cases.append(_case("gemm.fp8", f"m{m}_n{n}_k{k}_{scales}{'_bias' if bias else ''}", make, _HALF_DTYPES, _QUICK,
-                           _flops_fp8))
-    for m, n, k in [(16, 4096, 4096), (4096, 4096, 4096)]:
-        make = _fp8_inputs(m, n, k, "block", False)
-        cases.append(_case("gemm.fp8", f"m{m}_n{n}_k{k}_block", make, _HALF_DTYPES, _GPU, _flops_fp8))
-    return cases
-
-
-CASES = _cases()
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
+from graft.ops.gemm.cases import CASES

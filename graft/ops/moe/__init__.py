@@ -44,28 +44,24 @@ from __future__ import annotations
 
 import torch
 
-from graft.cases import OpCase
 from graft.dispatch import call
 from graft.errors import GraftInputError
-from graft.ops._validate import acc, acc_dtype, check_same_device, check_tensor, checks_values_on, readable_bounds
-from graft.quant import FP8_BLOCK, dequantize_fp8, quantize_fp8_block, quantize_fp8_per_token_group
+from graft.ops._validate import check_same_device, check_tensor, checks_values_on, readable_bounds
+from graft.ops.moe.reference import (align_block_size_reference, aligned_sizes, fused_experts_fp8_reference,
+                                     fused_experts_reference, quantize_act, topk_routing_reference, valid_ids)
+from graft.quant import FP8_BLOCK
 from graft.registry import OpSpec
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORINGS = ("softmax", "sigmoid")
 ACTIVATIONS = ("silu",)
 NOT_ON_RANK = -1  # expert id of a slot whose expert lives on another rank (expert parallelism)
 _FLOAT_SET = frozenset(FLOAT_DTYPES)
+
+
 # sorted_token_ids are int32 indices: the padded length num_slots + E*(block_size-1) must fit.
 MAX_ALIGNED = 2**31 - 1
-
-
-# ---------------------------------------------------------------- shared helpers
-
-def aligned_sizes(num_slots: int, block_size: int, num_experts: int) -> tuple[int, int]:
-    """(len(sorted_token_ids), len(expert_ids)): fixed upper bounds, so fake impls can state them."""
-    max_padded = num_slots + num_experts * (block_size - 1)
-    return max_padded, -(-max_padded // block_size)
 
 
 def _check_ids(op: str, topk_ids, num_experts: int, num_tokens: int | None = None) -> None:
@@ -96,13 +92,6 @@ def check_fused_experts_fp8_values(w13_q, topk_ids):
     _check_id_values("moe.fused_experts_fp8", topk_ids, w13_q.shape[0])
 
 
-def valid_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Which ids take part: the others (-1, or out of range with the value checks off) are skipped."""
-    return (ids >= 0) & (ids < num_experts)
-
-
-# ---------------------------------------------------------------- topk_routing
-
 def validate_topk_routing(router_logits, top_k, renormalize=True, scoring="softmax"):
     op = "moe.topk_routing"
     check_tensor(f"{op}: router_logits", router_logits, dtypes=FLOAT_DTYPES, ndim=2)
@@ -117,23 +106,10 @@ def validate_topk_routing(router_logits, top_k, renormalize=True, scoring="softm
         raise GraftInputError(f"{op}: scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
 
 
-def topk_routing_reference(router_logits, top_k, renormalize=True, scoring="softmax"):
-    logits = router_logits.float()
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    # Ties -> lowest expert id: a stable descending sort keeps equal scores in id order.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = torch.gather(scores, 1, order)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.contiguous(), order.to(torch.int32).contiguous()
-
-
 def topk_routing(router_logits, top_k, renormalize=True, scoring="softmax"):
     """Top-k experts per token: (weights fp32 [T, k], ids int32 [T, k]); see the module doc."""
     return call("moe.topk_routing", router_logits, top_k, renormalize, scoring)
 
-
-# ---------------------------------------------------------------- align_block_size
 
 def validate_align_block_size(topk_ids, block_size, num_experts):
     op = "moe.align_block_size"
@@ -148,35 +124,10 @@ def validate_align_block_size(topk_ids, block_size, num_experts):
         )
 
 
-def align_block_size_reference(topk_ids, block_size, num_experts):
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_slots = flat.numel()
-    max_padded, max_blocks = aligned_sizes(num_slots, block_size, num_experts)
-    sorted_ids = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
-    expert_ids = torch.full((max_blocks,), -1, dtype=torch.int32, device=device)
-    slots = torch.nonzero(valid_ids(flat, num_experts)).flatten()  # skipped ids are never placed
-    experts = flat[slots]
-    counts = torch.bincount(experts, minlength=num_experts)
-    padded = (counts + block_size - 1) // block_size * block_size
-    starts = torch.cumsum(padded, 0) - padded
-    order = torch.sort(experts, stable=True).indices  # stable: slots of one expert in index order
-    if slots.numel():
-        rank = torch.arange(slots.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[experts[order]]
-        sorted_ids[starts[experts[order]] + rank] = slots[order].to(torch.int32)
-    total = int(padded.sum())
-    blocks = torch.arange(total // block_size, device=device)
-    ends_in_blocks = torch.cumsum(padded, 0) // block_size
-    expert_ids[: total // block_size] = torch.searchsorted(ends_in_blocks, blocks, right=True).to(torch.int32)
-    return sorted_ids, expert_ids, torch.tensor([total], dtype=torch.int32, device=device)
-
-
 def align_block_size(topk_ids, block_size, num_experts):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded); see the module doc."""
     return call("moe.align_block_size", topk_ids, block_size, num_experts)
 
-
-# ---------------------------------------------------------------- fused_experts
 
 def validate_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
     # Fast path (value checks off, as on GPUs by default); the full checks below name any problem.
@@ -225,31 +176,10 @@ def validate_fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="
         raise GraftInputError(f"{op}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
 
 
-def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
-    """A plain loop over experts with fp32 accumulation: the semantics every backend matches."""
-    num_tokens, hidden_size = hidden.shape
-    inter = w13.shape[1] // 2
-    out = torch.zeros(num_tokens, hidden_size, dtype=acc_dtype(hidden), device=hidden.device)
-    weights = acc(topk_weights)
-    ids = topk_ids.long()
-    for expert in range(w13.shape[0]):
-        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-        if tokens.numel() == 0:
-            continue
-        x = acc(hidden[tokens])
-        gate_up = x @ acc(w13[expert]).t()
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = act @ acc(w2[expert]).t()
-        out.index_add_(0, tokens, y * weights[tokens, slots].unsqueeze(1))
-    return out.to(hidden.dtype)
-
-
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, activation="silu"):
     """Weighted sum over each token's top-k expert MLPs (SiLU-gated); see the module doc."""
     return call("moe.fused_experts", hidden, w13, w2, topk_weights, topk_ids, activation)
 
-
-# ---------------------------------------------------------------- catalogue
 
 OPS = [
     OpSpec(
@@ -289,101 +219,6 @@ OPS = [
 ]
 
 
-# ---------------------------------------------------------------- cases
-
-def _distinct_logits(num_tokens, num_experts, gen, device, dtype):
-    """Logits whose scores have no ties (a random permutation of spaced values per row)."""
-    base = torch.linspace(-2.0, 2.0, num_experts)
-    rows = [base[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)]
-    noise = torch.rand(num_tokens, num_experts, generator=gen) * (1.0 / (4 * max(num_experts, 1)))
-    logits = torch.stack(rows) + noise if num_tokens else torch.zeros(0, num_experts)
-    return logits.to(device=device, dtype=dtype)
-
-
-def _routing_case(num_tokens, num_experts, top_k, renormalize, scoring="softmax", tags=("quick",)):
-    def make(device, dtype, gen):
-        logits = _distinct_logits(num_tokens, num_experts, gen, device, dtype)
-        return (logits, top_k, renormalize, scoring), {}
-
-    name = f"t{num_tokens}_e{num_experts}_k{top_k}{'_renorm' if renormalize else ''}_{scoring}"
-    return OpCase("moe.topk_routing", name, make, tags=frozenset(tags),
-                  flops=lambda args, kwargs: 5.0 * args[0].numel())
-
-
-def random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert=None):
-    """Distinct experts per token (as routing gives), optionally never choosing ``skip_expert``."""
-    pool = [e for e in range(num_experts) if e != skip_expert]
-    rows = []
-    for _ in range(num_tokens):
-        perm = torch.randperm(len(pool), generator=gen)[:top_k]
-        rows.append(torch.tensor([pool[p] for p in perm.tolist()]))
-    if not rows:
-        return torch.zeros(0, top_k, dtype=torch.int32)
-    return torch.stack(rows).to(torch.int32)
-
-
-def _align_case(num_tokens, num_experts, top_k, block_size, skip_expert=None):
-    def make(device, dtype, gen):
-        ids = random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert).to(device)
-        return (ids, block_size, num_experts), {}
-
-    name = f"t{num_tokens}_e{num_experts}_k{top_k}_bs{block_size}"
-    return OpCase("moe.align_block_size", name, make, dtypes=(torch.int32,),
-                  tags=frozenset({"quick"}), flops=lambda args, kwargs: float(args[0].numel()))
-
-
-def make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter, device, dtype, gen, skip_expert=None):
-    """Inputs of fused_experts with weights scaled so outputs stay O(1) in every dtype."""
-    hidden = torch.randn(num_tokens, hidden_size, generator=gen)
-    w13 = torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) / hidden_size ** 0.5
-    w2 = torch.randn(num_experts, hidden_size, inter, generator=gen) / inter ** 0.5
-    ids = random_topk_ids(num_tokens, num_experts, top_k, gen, skip_expert)
-    weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1)
-    to = dict(device=device, dtype=dtype)
-    return (hidden.to(**to), w13.to(**to), w2.to(**to), weights.to(device), ids.to(device)), {}
-
-
-def fused_experts_flops(args, kwargs) -> float:
-    hidden, w13, _w2, _weights, ids = args[:5]
-    num_tokens, hidden_size = hidden.shape
-    inter = w13.shape[1] // 2
-    return 2.0 * num_tokens * ids.shape[1] * hidden_size * inter * 3  # GEMM1 (2I x H) + GEMM2 (H x I)
-
-
-def _fused_case(num_tokens, num_experts, top_k, hidden_size, inter, tags=("quick",), skip_expert=None):
-    def make(device, dtype, gen):
-        return make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter, device, dtype, gen, skip_expert)
-
-    name = f"t{num_tokens}_e{num_experts}_k{top_k}_h{hidden_size}_i{inter}"
-    return OpCase("moe.fused_experts", name, make, tags=frozenset(tags), flops=fused_experts_flops,
-                  atol=FUSED_EXPERTS_ATOL, reduction=lambda args, kwargs: max(args[0].shape[1], args[2].shape[2]))
-
-
-# Optimized kernels round the SiLU-and-mul activation to the input dtype before GEMM 2 (as
-# vLLM does: the second GEMM's operands are in that dtype), the reference keeps fp32: one
-# extra rounding propagated through GEMM 2, hence twice the output-rounding bound.
-FUSED_EXPERTS_ATOL = {torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
-
-
-CASES = [
-    _routing_case(7, 5, 2, True),
-    _routing_case(3, 8, 8, False),
-    _routing_case(5, 7, 1, False, "sigmoid"),
-    _routing_case(4096, 64, 8, True, "softmax", tags=("gpu",)),
-    _align_case(1, 4, 2, 4),
-    _align_case(17, 8, 2, 16, skip_expert=3),
-    _align_case(33, 5, 4, 4),
-    _fused_case(1, 4, 1, 48, 40),
-    _fused_case(17, 8, 2, 96, 40, skip_expert=5),
-    _fused_case(0, 4, 2, 48, 40),
-    # Benchmark shapes: Mixtral-like prefill (H=4096, I=14336 scaled to I=7168 to fit beside
-    # the fp32 reference) and a decode-sized batch.
-    _fused_case(4096, 8, 2, 4096, 7168, tags=("gpu",)),
-    _fused_case(32, 8, 2, 4096, 14336, tags=("gpu",)),
-]
-
-
-# =========================================================================== moe.fused_experts_fp8
 # FP8 block-scaled mixture of experts (DeepSeek-V3 style): ``moe.fused_experts_fp8``.
 #
 # ``fused_experts_fp8(hidden [T, H], w13_q [E, 2I, H], w2_q [E, H, I], w13_scale, w2_scale,
@@ -435,40 +270,9 @@ def validate_fused_experts_fp8(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_we
                                   f"block: {list(shape)}")
 
 
-def quantize_act(x: torch.Tensor, fp8_dtype) -> tuple:
-    """Per token per 128 features, as both GEMMs' activations are quantized."""
-    return quantize_fp8_per_token_group(x, FP8_BLOCK, fp8_dtype)
-
-
-def fused_experts_fp8_reference(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation="silu"):
-    num_tokens, hidden_size = hidden.shape
-    inter = w13_q.shape[1] // 2
-    fmt = w13_q.dtype
-    x = dequantize_fp8(*quantize_act(hidden, fmt), (1, FP8_BLOCK))
-    w13 = dequantize_fp8(w13_q, w13_scale, (FP8_BLOCK, FP8_BLOCK))
-    w2 = dequantize_fp8(w2_q, w2_scale, (FP8_BLOCK, FP8_BLOCK))
-    out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
-    weights, ids = topk_weights.float(), topk_ids.long()
-    for expert in range(w13_q.shape[0]):
-        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
-        if tokens.numel() == 0:
-            continue
-        gate_up = x[tokens] @ w13[expert].t()
-        act = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype)
-        act = dequantize_fp8(*quantize_act(act, fmt), (1, FP8_BLOCK))
-        out.index_add_(0, tokens, (act @ w2[expert].t()) * weights[tokens, slots].unsqueeze(1))
-    return out.to(hidden.dtype)
-
-
 def fused_experts_fp8(hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation="silu"):
     """fp8 block-scaled expert MLPs; see the module docstring."""
     return call("moe.fused_experts_fp8", hidden, w13_q, w2_q, w13_scale, w2_scale, topk_weights, topk_ids, activation)
-
-
-def quantize_experts(w13, w2, fp8_dtype=torch.float8_e4m3fn):
-    """bf16/fp32 expert weights -> ``(w13_q, w2_q, w13_scale, w2_scale)`` with 128x128 block scales."""
-    (w13_q, w13_s), (w2_q, w2_s) = quantize_fp8_block(w13, dtype=fp8_dtype), quantize_fp8_block(w2, dtype=fp8_dtype)
-    return w13_q, w2_q, w13_s, w2_s
 
 
 OPS += [
@@ -485,30 +289,6 @@ OPS += [
 ]
 
 
-def _fp8_case(num_tokens, num_experts, top_k, hidden_size, inter, tags=("quick",)):
-    def make(device, dtype, gen):
-        (hidden, w13, w2, weights, ids), _ = make_moe_inputs(num_tokens, num_experts, top_k, hidden_size, inter,
-                                                             "cpu", torch.float32, gen)
-        w13_q, w2_q, w13_s, w2_s = quantize_experts(w13, w2)
-        to = lambda t: t.to(device)  # noqa: E731
-        return (hidden.to(device, dtype), to(w13_q), to(w2_q), to(w13_s), to(w2_s), to(weights), to(ids)), {}
-
-    def flops(args, kwargs):
-        hidden, w13_q, ids = args[0], args[1], args[6]
-        return 6.0 * hidden.shape[0] * ids.shape[1] * hidden.shape[1] * (w13_q.shape[1] // 2)
-
-    name = f"t{num_tokens}_e{num_experts}_k{top_k}_h{hidden_size}_i{inter}"
-    # The act is rounded to hidden's dtype, then re-quantized to fp8 per 128-group: where the
-    # kernel's and the reference's sums round to neighbouring values, a group's scale and codes
-    # can move by one fp8 step (6%): for bf16, where that happens most, a few fp8 steps.
-    return OpCase("moe.fused_experts_fp8", name, make, dtypes=(torch.float16, torch.bfloat16), tags=frozenset(tags),
-                  flops=flops, atol={torch.float16: 8e-3, torch.bfloat16: 0.16},
-                  reduction=lambda args, kwargs: max(args[0].shape[1], args[2].shape[2]))
-
-
-CASES += [
-    _fp8_case(1, 4, 1, 48, 40),
-    _fp8_case(17, 8, 2, 200, 136),
-    _fp8_case(0, 4, 2, 48, 40),
-    _fp8_case(2048, 256, 8, 7168, 2048, tags=("gpu",)),
-]
+# The conformance cases, re-exported here (imported last: a cases module may use this module's names).
+from graft.ops.moe.cases import (_distinct_logits, random_topk_ids, make_moe_inputs, fused_experts_flops,
+                                 FUSED_EXPERTS_ATOL, CASES, quantize_experts)
