@@ -55,17 +55,10 @@ def add_arguments(parser) -> None:
 # --------------------------------------------------------------------------- shapes
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def _dtype(name) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    key = str(name).replace("torch.", "")
-    key = {"float": "float32", "half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(key, key)
-    if key not in _DTYPES and not isinstance(getattr(torch, key, None), torch.dtype):
-        raise GraftConfigError(f"dtype {name!r} is not a torch dtype (float32, float16, bfloat16...)")
-    return _DTYPES.get(key) or getattr(torch, key)
+    from graft.tools.replay import dtype_of
+
+    return dtype_of(name)
 
 
 def read_model_config(path: str) -> dict:
@@ -78,9 +71,29 @@ def read_model_config(path: str) -> dict:
         raise GraftConfigError(f"--model {path!r}: cannot read {p}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise GraftConfigError(f"--model {path!r}: {p} is not JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise GraftConfigError(f"--model {path!r}: {p} holds a {type(cfg).__name__}, not a config object")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in cfg]
     if missing:
         raise GraftConfigError(f"--model {path!r}: {p} lacks {', '.join(missing)} (a decoder's config.json has them)")
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "num_key_value_heads", "head_dim",
+                "num_local_experts", "num_experts", "num_experts_per_tok", "max_position_embeddings"):
+        value = cfg.get(key)
+        required = key in ("hidden_size", "num_attention_heads", "intermediate_size")
+        if value is None and not required:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if required else 0):
+            raise GraftConfigError(f"--model {path!r}: {key} must be a positive integer, got {value!r}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 <= eps < 1:
+        raise GraftConfigError(f"--model {path!r}: rms_norm_eps must be a small number, got {eps!r}")
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise GraftConfigError(f"--model {path!r}: num_attention_heads {heads} is not a multiple of "
+                               f"num_key_value_heads {kv}")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise GraftConfigError(f"--model {path!r}: hidden_size {cfg['hidden_size']} is not a multiple of "
+                               f"num_attention_heads {heads} (and no head_dim is given)")
     return cfg
 
 
@@ -124,9 +137,13 @@ def model_shapes(cfg: dict, tokens, dtype: torch.dtype) -> list:
 
 def read_shapes(path: str) -> list:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise GraftConfigError(f"--shapes {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise GraftConfigError(f"--shapes {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise GraftConfigError(f"--shapes {path!r} is nested too deeply to be a shapes file") from None
     except json.JSONDecodeError as exc:
         raise GraftConfigError(f"--shapes {path!r} is not JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != tuning.SHAPES_FORMAT:
@@ -140,38 +157,20 @@ def read_shapes(path: str) -> list:
     return shapes
 
 
+def make_call(entry: dict, device, gen: torch.Generator | None, where: str = "shape entry") -> tuple:
+    """``(args, kwargs)`` of one shape entry, as tensors on ``device``, drawn there from ``gen``
+    (seeded; a generator of that device): a GPU's large weights are not made on the host. On
+    ``meta`` (shapes only, ``gen`` None) nothing is drawn or allocated. Index arguments are
+    made valid from the other arguments' shapes (:mod:`graft.tools.replay`)."""
+    from graft.plugins import get_registry
+    from graft.tools.replay import call_arguments
+
+    return call_arguments(entry, get_registry().op(entry["op"]), device, gen, where)
+
+
 def make_args(entry: dict, device, gen: torch.Generator | None) -> tuple:
-    """The arguments of one shape entry, as tensors on ``device``, drawn there from ``gen``
-    (seeded; a generator of that device): a GPU's large weights are not made on the host.
-    On ``meta`` (shapes only, ``gen`` None) nothing is drawn or allocated."""
-    device = torch.device(device)
-    dtype = _dtype(entry.get("dtype", "float32"))
-    args = []
-    for arg in entry["args"]:
-        if isinstance(arg, dict) and "shape" in arg:
-            shape = [int(d) for d in arg["shape"]]
-            t_dtype = _dtype(arg["dtype"]) if "dtype" in arg else dtype
-            if device.type == "meta":
-                t = torch.empty(shape, dtype=t_dtype, device=device)
-            elif t_dtype.is_floating_point:
-                t = torch.randn(shape, generator=gen, device=device)
-                if "scale" in arg:
-                    t *= float(arg["scale"])
-                if arg.get("softmax"):
-                    t = t.softmax(dim=-1)
-                t = t.to(t_dtype)
-            else:
-                high = int(arg.get("high", 2))
-                if t_dtype == torch.int32 and len(shape) == 2 and arg.get("high") and shape[-1] <= high:
-                    # distinct ids per row (top-k): the first k of a random order of all ids
-                    t = torch.rand(shape[0], high, generator=gen, device=device).argsort(dim=-1)[:, : shape[-1]]
-                else:
-                    t = torch.randint(0, high, shape, generator=gen, device=device)
-                t = t.to(t_dtype)
-            args.append(t)
-        else:
-            args.append(arg)
-    return tuple(args)
+    """The positional arguments of :func:`make_call` (entries without keyword arguments)."""
+    return make_call(entry, device, gen)[0]
 
 
 def generator(device, seed: int = 0) -> torch.Generator:
@@ -204,7 +203,7 @@ def _close(out, ref, dtype) -> str | None:
     return None
 
 
-def _candidates(registry, op: str, device, dtype, args) -> tuple[dict, dict]:
+def _candidates(registry, op: str, device, dtype, args, kwargs=None) -> tuple[dict, dict]:
     """``({name: impl}, {name: why not})`` of the implementations that can serve ``args``:
     one per backend (the one selection would take), named by backend."""
     from graft.platform import device_info
@@ -214,7 +213,7 @@ def _candidates(registry, op: str, device, dtype, args) -> tuple[dict, dict]:
     for impl in registry.implementations(op):  # highest priority first within a backend
         if impl.backend in usable or impl.backend in rejected:
             continue
-        why = impl.reason(device.type, dtype, arch, args, {})
+        why = impl.reason(device.type, dtype, arch, args, kwargs or {})
         if why is None:
             usable[impl.backend] = impl
         elif impl.framework or impl.backend != "torch":
@@ -229,20 +228,20 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
 
     op, dtype = entry["op"], _dtype(entry.get("dtype", "float32"))
     spec = registry.op(op)
-    args = make_args(entry, device, generator(device, seed))
-    spec.validate(*args) if spec.validate is not None else None
-    usable, rejected = _candidates(registry, op, device, dtype, args)
-    ref = spec.reference(*args)
+    args, kwargs = make_call(entry, device, generator(device, seed))
+    spec.validate(*args, **kwargs) if spec.validate is not None else None
+    usable, rejected = _candidates(registry, op, device, dtype, args, kwargs)
+    ref = spec.reference(*args, **kwargs)
     variants = {}
     for backend, impl in usable.items():
         try:
-            why = _close(impl.fn(*args), ref, dtype)
+            why = _close(impl.fn(*args, **kwargs), ref, dtype)
         except Exception as exc:  # a candidate that fails here must not stop the run
             why = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if why:
             rejected[backend] = why
             continue
-        variants[backend] = (lambda fn=impl.fn: fn(*args))
+        variants[backend] = (lambda fn=impl.fn: fn(*args, **kwargs))
     if not variants:
         return None
     unmeasured = {i.backend: rejected.get(i.backend) or "cannot serve this shape here" for i in registry.implementations(op)
@@ -251,7 +250,7 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
         # The framework's own code cannot be called here with the op's arguments: graft is not
         # known faster, so the framework keeps the bucket (the integration leaves it alone).
         backend, why = sorted(unmeasured.items())[0]
-        return {"op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
+        return {"op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, kwargs),
                 "tokens": _tokens(spec, args), "backend": backend, "provider": backend, "providers": {},
                 "ratio": None, "median_us": {}, "spread": {}, "rejected": rejected,
                 "note": f"{backend}'s own code could not be measured here ({why}); graft is not known faster"}
@@ -269,7 +268,7 @@ def measure(entry: dict, device, rounds: int, registry, seed: int = 0) -> dict |
     others = [b for b in order if b != winner]
     ratio = timings.ratio(others[0], winner) if others else None
     return {
-        "op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, {}),
+        "op": op, "dtype": tuning.dtype_name(dtype), "bucket": tuning.bucket(op, args, kwargs),
         "tokens": _tokens(spec, args),
         "backend": winner, "provider": usable[winner].provider,
         "providers": {b: usable[b].provider for b in variants},
@@ -344,11 +343,79 @@ def write_table(out: Path, device: dict, versions: dict, entries: list, source: 
     os.replace(tmp, out)  # atomic: an interrupted run leaves the last complete table
 
 
-def run(args) -> int:
+def _device(name: str | None):
+    """--device as a torch.device this machine has (GraftConfigError naming what is valid)."""
     from graft.platform import default_device
+
+    if not name:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise GraftConfigError(f"--device {name!r} is not a device; use cpu or cuda (cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise GraftConfigError(f"--device {name!r}: graft tune measures on cpu or cuda (ROCm GPUs are cuda in torch)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GraftConfigError(f"--device {name!r}: this machine has no GPU torch can use")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise GraftConfigError(f"--device {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def _check_out(out: Path) -> None:
+    """--out must be a file path in a folder that exists and can be written, checked before
+    anything is measured."""
+    if out.is_dir():
+        raise GraftConfigError(f"--out {str(out)!r} is a folder; give the table's file path (e.g. graft-tuning.json)")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise GraftConfigError(f"--out {str(out)!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise GraftConfigError(f"--out {str(out)!r}: not writable")
+
+
+class _Lock:
+    """An exclusive lock on ``--out`` for one run (``<out>.lock``, flock): a second ``graft tune``
+    writing the same table is refused with a clear message instead of both reporting
+    success and one losing the other's entries. Released when the process ends, however."""
+
+    def __init__(self, out: Path):
+        self.path = out.with_name(out.name + ".lock")
+        self.file = None
+
+    def __enter__(self):
+        import fcntl
+
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise GraftConfigError(f"--out {str(self.path)[:-5]!r} is being written by another graft tune "
+                                   f"({holder}); wait for it, or write to another file") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()}")
+        self.file.flush()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        self.file.close()  # closing releases the lock
+
+
+def run(args) -> int:
     from graft.plugins import get_registry
 
-    device = torch.device(args.device) if args.device else default_device()
+    device = _device(args.device)
+    out = Path(args.out)
+    _check_out(out)
     tokens: tuple = QUICK_TOKENS if args.quick else DEFAULT_TOKENS
     if args.tokens:
         try:
@@ -376,8 +443,13 @@ def run(args) -> int:
         for op in wanted:
             registry.op(op)  # unknown op: a clear error
         shapes = [s for s in shapes if s["op"] in wanted]
-    for s in shapes:
+    keys = []
+    for i, s in enumerate(shapes):  # every entry checked before anything is measured
         registry.op(s["op"])
+        where = f"{args.shapes or args.model}: shape {i} ({s['op']})"
+        meta_args, meta_kwargs = make_call(s, "meta", None, where)
+        keys.append((s["op"], tuning.dtype_name(_dtype(s.get("dtype", "float32"))),
+                     tuning.bucket(s["op"], meta_args, meta_kwargs)))
     if args.threads is not None:
         if args.threads < 1:
             raise GraftConfigError(f"--threads {args.threads}: at least 1")
@@ -386,18 +458,28 @@ def run(args) -> int:
     print(f"graft tune: {len(shapes)} shapes on {device.type} ({torch.get_num_threads()} threads), {rounds} rounds "
           f"each; frameworks competing: {', '.join(frameworks) or 'none'}", flush=True)
     _enable_frameworks(frameworks)
-    out = Path(args.out)
+    with _Lock(out):
+        return _tune(shapes, keys, device, rounds, registry, out, source, args.fresh)
+
+
+def _tune(shapes, keys, device, rounds, registry, out: Path, source: str, fresh: bool) -> int:
+    from graft.errors import GraftError
+
     device_desc, here_versions = tuning.device_key(device.type), tuning.versions()
-    entries = [] if args.fresh else _existing(out, device_desc, here_versions)
+    entries = [] if fresh else _existing(out, device_desc, here_versions)
     done = {(e["op"], e["dtype"], e["bucket"]) for e in entries}
-    started, measured = time.perf_counter(), 0
+    started, measured, skipped = time.perf_counter(), 0, 0
     todo = shapes
-    for i, s in enumerate(todo, 1):
-        key = (s["op"], tuning.dtype_name(_dtype(s.get("dtype", "float32"))), tuning.bucket(s["op"], make_args(s, "meta", None)))
+    for i, (s, key) in enumerate(zip(todo, keys), 1):
         if key in done:
             print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: in {out} already (resumed)", flush=True)
             continue
-        entry = measure(s, device, rounds, registry)
+        try:
+            entry = measure(s, device, rounds, registry)
+        except GraftError as exc:  # this shape cannot be called as recorded: say why, go on
+            skipped += 1
+            print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: skipped: {exc}", flush=True)
+            continue
         measured += 1
         elapsed = time.perf_counter() - started
         left = elapsed / measured * (len(todo) - i)
@@ -412,6 +494,8 @@ def run(args) -> int:
         print(f"[{i}/{len(todo)}] {key[0]} {key[1]} {key[2]}: {times} -> {entry['backend']}{ratio}; "
               f"about {left:.0f} s left", flush=True)
     print(f"graft tune: wrote {out} ({len(entries)} entries); use it with {tuning.TABLE_VAR}={out}", flush=True)
+    if skipped:
+        print(f"graft tune: {skipped} shape(s) skipped (the reasons are above)", flush=True)
     return 0
 
 
