@@ -138,7 +138,7 @@ class _Op:
     the remembered argument signatures."""
 
     __slots__ = ("name", "spec", "validate", "key_arg", "plans", "recogniser", "values_recogniser", "hits",
-                 "next_hit", "next_fast", "collective")
+                 "next_hit", "next_fast", "hooks")
 
     def __init__(self, name: str, spec, remember: bool = True):
         self.name = name
@@ -151,16 +151,15 @@ class _Op:
         self.hits: list = []
         self.next_hit = 0  # the slot the next signature takes once all are used
         self.next_fast = 0  # the same for _fast_hits[name]
-        self.collective = spec.family == "collectives"
+        self.hooks = spec.signature_hooks  # validation that depends on more than the arguments
         self.recogniser = None
         self.values_recogniser = None  # the same, with spec.check_values run on every hit
         if remember and spec.validate is not None and spec.validate_cache != "never":
-            # A collective's validation includes the cross-rank agreement, made for one
-            # process group: the default group is part of the signature (a group passed as
-            # an object is not remembered: those calls validate through fastpath.plan).
+            # An op whose validation depends on more than its arguments (a collective's agreement
+            # is made for one process group) puts that context into the signature (its hooks).
             try:
                 self.recogniser = Recogniser(spec.validate,
-                                             context=_default_group_reader() if self.collective else None,
+                                             context=self.hooks.context() if self.hooks else None,
                                              varying=spec.validate_varying)
                 if spec.check_values is not None:
                     self.values_recogniser = Recogniser(spec.validate, varying=spec.check_values)
@@ -172,8 +171,8 @@ class _Op:
 
     def remember(self, args, kwargs, plan) -> None:
         recogniser = self._recogniser(plan)
-        if recogniser is None or self.collective and _default_group() is _NOTHING:
-            return  # (a collective without a group identity to tie the agreement to agrees on every call)
+        if recogniser is None or self.hooks is not None and self.hooks.identity() is None:
+            return  # (e.g. a collective without a group identity to tie the agreement to agrees on every call)
         hit = recogniser.hit(args, kwargs, plan)
         if hit is None:
             return
@@ -311,10 +310,8 @@ def _build_plan(state: _Op, device, dtype) -> _Plan:
                 error = exc
     # Plans are rebuilt when the configuration changes, and so is this decision.
     mode = state.spec.validate_cache
-    if state.collective:  # metadata only; GRAFT_COLLECTIVES_VALIDATE=always agrees on every call
-        from graft.kernels.collectives._common import settings
-
-        keep = device is not None and settings().validate != "always"
+    if state.hooks is not None:  # e.g. GRAFT_COLLECTIVES_VALIDATE=always agrees on every call
+        keep = device is not None and state.hooks.may_remember()
     else:
         keep = device is not None and (mode == "always" or (mode == "values" and not value_checks_on(device_type)))
     # With value checks on, an op whose value checks stand apart still remembers signatures:
@@ -402,54 +399,12 @@ def select(op: str, *args, **kwargs) -> Implementation:
     return _choose(op, plan, args, kwargs)
 
 
-_NOTHING = object()  # a context no remembered signature shares
-_collective_plan: Callable | None = None  # graft.kernels.collectives.fastpath.plan, imported on first use
-
-
-def _default_group():
-    try:
-        return torch.distributed.distributed_c10d._world.default_pg
-    except AttributeError:  # private API moved, or no torch.distributed: nothing remembered then
-        return _NOTHING
-
-
-def _default_group_reader() -> Callable:
-    """What a collective's remembered signature calls on every call to compare the default
-    group: the attribute behind torch's ``_world.default_pg`` property read by C callables
-    (a partial of an attrgetter), where it is there. The property is a Python frame, and on
-    the real call, after the communication, a cold one: about half a microsecond of the one
-    a collective's dispatch costs on this CPU. Where the attribute is not there, the
-    property through :func:`_default_group`."""
-    import functools
-    import operator
-
-    try:
-        world = torch.distributed.distributed_c10d._world
-        if world._default_pg is not world.default_pg:
-            return _default_group
-    except AttributeError:
-        return _default_group
-    return functools.partial(operator.attrgetter("_default_pg"), world)
-
-
-def _validate(state: _Op, args, kwargs) -> None:
-    global _collective_plan
-    if state.collective and not kwargs and not _is_compiling():
-        if _collective_plan is None:
-            from graft.kernels.collectives.fastpath import plan
-
-            _collective_plan = plan
-        _collective_plan(state.name, *args)  # validates, and agrees across ranks, once per signature
-        return
-    state.validate(*args, **kwargs)
-
-
 def _cold_plan(state: _Op, op: str, args, kwargs) -> _Plan:
     """The plan of a call no remembered signature matched: validate, look the plan up (or
     build it), take the tuning table's choice for its shape, and remember the signature."""
     if state.validate is not None:
-        if state.collective:
-            _validate(state, args, kwargs)
+        if state.hooks is not None and not kwargs and not _is_compiling():
+            state.hooks.validate(op, *args)  # e.g. a collective's agreement, once per signature
         else:
             state.validate(*args, **kwargs)
     key_arg = state.key_arg

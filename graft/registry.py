@@ -29,6 +29,26 @@ FAMILY_DESCRIPTIONS = {
 
 
 @dataclass(frozen=True)
+class SignatureHooks:
+    """How dispatch validates and remembers the argument signatures of an op whose validation
+    depends on more than its arguments: a collective's cross-rank agreement is made for one
+    process group, so the group belongs to the signature, and agreeing is done once per
+    signature by the op's own planner. Dispatch calls these instead of special-casing a family.
+
+    ``validate(op, *args)``: the cold path's validation of a positional call (outside tracing;
+    keyword calls run the spec's ``validate``). ``context()``: the callable a remembered
+    signature calls on every call to compare (the default group), built once. ``identity()``:
+    the current context, or None when there is none to tie a signature to (nothing is then
+    remembered). ``may_remember()``: whether signatures may be remembered under the settings in
+    force (asked when a plan is built)."""
+
+    validate: Callable
+    context: Callable[[], Callable]
+    identity: Callable[[], object]
+    may_remember: Callable[[], bool]
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """An op every backend implements the same way.
 
@@ -70,6 +90,9 @@ class OpSpec:
     validate_cache: str = "values"
     validate_varying: Callable | None = None
     check_values: Callable | None = None
+    # How dispatch validates and remembers signatures when validation depends on more than the
+    # arguments (the collectives: see SignatureHooks); None for every other op.
+    signature_hooks: SignatureHooks | None = None
 
     @property
     def varying_names(self) -> tuple:

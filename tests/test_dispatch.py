@@ -663,7 +663,9 @@ def test_collective_signatures_read_the_default_group_without_a_python_frame():
     C callables (torch's property is a Python frame), and is the property's value."""
     import types
 
-    reader = dispatch._default_group_reader()
+    from graft.kernels.collectives.signature import default_group_reader
+
+    reader = default_group_reader()
     assert not isinstance(reader, types.FunctionType)
     world = torch.distributed.distributed_c10d._world
     assert reader() is world.default_pg
@@ -674,3 +676,21 @@ def test_collective_signatures_read_the_default_group_without_a_python_frame():
         assert reader() is marker and world.default_pg is marker
     finally:
         world._default_pg = old
+
+
+def test_dispatch_special_cases_no_family():
+    """Collectives reach dispatch through OpSpec.signature_hooks, like any op could: no family
+    name, no collectives import in the hot path's module."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(dispatch))
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and "collectives" in n.value and not n.value.startswith(("\n", " ")) and len(n.value) < 40]
+    imports = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "collectives" in (n.module or "")]
+    attributes = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "collective"]
+    assert not strings and not imports and not attributes, (strings, imports, attributes)
+    from graft.plugins import get_registry
+
+    hooked = {name for name, spec in get_registry().ops.items() if spec.signature_hooks is not None}
+    assert hooked == {name for name in get_registry().ops if name.startswith("collectives.")}

@@ -24,6 +24,7 @@ from graft.errors import GraftInputError
 from graft.kernels.collectives import fastpath
 from graft.kernels.collectives._common import REDUCE_OPS, resolve_group
 from graft.kernels.collectives.agreement import agree, ANY, Call, dtype_name
+from graft.kernels.collectives.signature import HOOKS
 from graft.ops.collectives.reference import (_all_gather_gemm_ref, _all_gather_quantized_ref, _all_gather_ref,
                                              _all_reduce_ref, _gemm_reduce_scatter_ref, _reduce_scatter_ref)
 from graft.registry import OpSpec
@@ -157,6 +158,7 @@ OPS = [
     OpSpec(
         name="collectives.all_reduce",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="all_reduce(x: Tensor[...], group=None, op: str = 'sum') -> Tensor[...]",
         reference=_all_reduce_ref,
         validate=_validate_all_reduce,
@@ -165,6 +167,7 @@ OPS = [
     OpSpec(
         name="collectives.all_gather",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="all_gather(x: Tensor[m, ...], group=None, sizes: list[int] | None = None) -> Tensor[sum(m), ...]",
         reference=_all_gather_ref,
         validate=_validate_all_gather,
@@ -173,6 +176,7 @@ OPS = [
     OpSpec(
         name="collectives.reduce_scatter",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="reduce_scatter(x: Tensor[m, ...], group=None, op='sum', sizes=None) -> Tensor[m/world, ...]",
         reference=_reduce_scatter_ref,
         validate=_validate_reduce_scatter,
@@ -181,6 +185,7 @@ OPS = [
     OpSpec(
         name="collectives.all_gather_quantized",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="all_gather_quantized(x: Tensor[m, ...], group=None, block_size: int = 128) -> Tensor[world*m, ...]",
         reference=_all_gather_quantized_ref,
         validate=_validate_all_gather_quantized,
@@ -189,6 +194,7 @@ OPS = [
     OpSpec(
         name="collectives.gemm_reduce_scatter",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="gemm_reduce_scatter(a: Tensor[m, k_local], b: Tensor[k_local, n], group=None) -> Tensor[m/world, n]",
         reference=_gemm_reduce_scatter_ref,
         validate=_validate_gemm_reduce_scatter,
@@ -197,6 +203,7 @@ OPS = [
     OpSpec(
         name="collectives.all_gather_gemm",
         family="collectives",
+        signature_hooks=HOOKS,
         signature="all_gather_gemm(a: Tensor[m_local, k], b: Tensor[k, n_local], group=None) -> Tensor[world*m_local, n_local]",
         reference=_all_gather_gemm_ref,
         validate=_validate_all_gather_gemm,
