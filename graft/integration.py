@@ -145,7 +145,11 @@ class FrameworkIntegration:
         served = active if active is not None else {p: "served" for p in layers["served"]}
         served_text = ", ".join(f"{k} ({v})" for k, v in served.items()
                                 if k not in layers["left"] and k not in not_served) or "nothing"
-        left_text = _describe_off(layers["left"]) or "nothing"
+        left = dict(layers["left"])
+        for part in not_served:  # the adapter's own summary says why (left to the framework, or failed)
+            if part not in left and active is not None and part in active:
+                left[part] = active[part]
+        left_text = _describe_off(left) or "nothing"
         logger.info("graft: %s integration: served by graft: %s; left to %s: %s",
                     self.distribution, served_text, self.distribution, left_text)
         if layers["expected_left"]:

@@ -100,7 +100,7 @@ def device():
 # runs everything.
 SLOW_MODULES = {
     "test_fuzz.py": "graft fuzz in child processes (93 s)",
-    "test_reproducers.py": "hostile-input reproducers, one child process each (71 s)",
+    "test_hostile_cases.py": "hostile-input cases, one child process each (71 s)",
     "test_patches.py": "git, upstream trees and their linters (49 s)",
     "test_vllm_integration.py": "vLLM imported in child processes (46 s)",
     "test_hip_kernels.py": "C++ compiles with nvcc / torch cpp_extension (35 s)",

@@ -1,8 +1,9 @@
-"""Issue #15's reproducers, each in a child process with a bounded timeout: a clear error
+"""Hostile inputs, each group in a child process with a bounded timeout: a clear error
 naming the bad value, or the reference's result; never a crash, a hang or a traceback.
 
-Values, numerics, settings and threads run from tests/_reproducers.py (one process per
-group). Plugins are installed as real entry points (a ``*.dist-info`` on PYTHONPATH) and
+The cases that need a fresh process run from tests/_hostile_cases.py (one process per
+group: values, numerics, settings, threads, layouts, reloads, gradients, fallback, leaks,
+configuration, the user's view). Plugins are installed as real entry points (a ``*.dist-info`` on PYTHONPATH) and
 driven through dispatch, ``graft info`` and ``graft conformance``; the CLI reproducers run
 ``python -m graft``. Collectives reproducers run on 2 gloo ranks in tests/test_collectives.py
 and the collectives cases of tests/test_fuzz.py; bad values with the checks off on every
@@ -19,8 +20,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _reproducers import GROUPS  # noqa: E402
-from _reproducers_round3 import GROUPS as ROUND3_GROUPS  # noqa: E402
+from _hostile_cases import GROUPS  # noqa: E402
 
 TIMEOUT_S = 300
 
@@ -32,18 +32,15 @@ def _env(extra=None):
     return env
 
 
-# (script, group, extra environment): issue #15's groups, then issue #25's (round 3), whose
-# layout group runs once per dispatch entry (GRAFT_DISPATCH_C is read when graft is imported).
-RUNS = ([("_reproducers.py", g, {}) for g in sorted(GROUPS)]
-        + [("_reproducers_round3.py", g, {}) for g in sorted(ROUND3_GROUPS)]
-        + [("_reproducers_round3.py", "layouts", {"GRAFT_DISPATCH_C": "0"})])
+# (group, extra environment): the layout group runs once per dispatch entry too
+# (GRAFT_DISPATCH_C is read when graft is imported).
+RUNS = [(g, {}) for g in sorted(GROUPS)] + [("layouts", {"GRAFT_DISPATCH_C": "0"})]
 
 
-@pytest.mark.parametrize("script,group,extra", RUNS,
-                         ids=[f"{s.split('.')[0]}-{g}{'-python_entry' if e else ''}" for s, g, e in RUNS])
-def test_reproducer_group(script, group, extra):
-    groups = GROUPS if script == "_reproducers.py" else ROUND3_GROUPS
-    proc = subprocess.run([sys.executable, "-W", "ignore", os.path.join(HERE, script), group],
+@pytest.mark.parametrize("group,extra", RUNS, ids=[f"{g}{'-python_entry' if e else ''}" for g, e in RUNS])
+def test_hostile_case_group(group, extra):
+    groups = GROUPS
+    proc = subprocess.run([sys.executable, "-W", "ignore", os.path.join(HERE, "_hostile_cases.py"), group],
                           capture_output=True, text=True, env=_env(extra), timeout=TIMEOUT_S)
     found, current = {}, None
     for line in proc.stdout.splitlines():
