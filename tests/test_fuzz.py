@@ -477,6 +477,14 @@ def test_fuzz_hostile_tuning_tables(tmp_path):
     assert "fused.rms_norm [truncated]" in errors and "fused.rms_norm [valid]" not in errors, errors
 
 
+def test_fuzz_hostile_command_lines(tmp_path):
+    proc, results = _graft_fuzz(tmp_path, "--classes", "clis", "--time-budget", "400", timeout=500)
+    found = _assert_clean(proc, results, "clis")
+    labels = {r["case"] for r in found.get("error", [])}
+    assert {"tune --device foo", "profile --compare binary", "fuzz --time-budget nan", "info --shape nonsense",
+            "bench-kernels --device foo"} <= labels, labels
+
+
 def test_fuzz_usage_errors_come_before_the_run(tmp_path):
     """An unknown op is a usage error (exit 2), not a false finding; a --json folder that does
     not exist is said before the run, not after it."""

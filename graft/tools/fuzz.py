@@ -19,6 +19,11 @@ Classes (``--classes``, default all):
 - ``tables``: every op's smallest case under hostile tuning tables (``GRAFT_TUNING_TABLE``):
   wrong schema, truncated, not UTF-8, NaN or infinite ratios, unknown ops, backends and
   dtypes. A call must match the reference or raise GraftConfigError naming the table.
+- ``clis``: the command lines (``graft tune``, ``profile``, ``fuzz``, ``info``,
+  ``bench-kernels``) with hostile arguments: devices that do not exist, folders where files
+  go, missing folders, binary and truncated input files, negative and non-numeric counts,
+  unknown ops. Each must exit 2 with a one-line error, never a traceback (``--ops`` limits
+  nothing here).
 
 Each class runs in a child process (``python -m graft.tools.fuzz CLASS``) with its share of the time
 budget; the child prints one JSON line when a case starts and one with its outcome, the parent
@@ -29,13 +34,14 @@ Exit status: 0 no findings, 1 findings, 2 usage error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 
-CLASSES = ("layouts", "reloads", "double_backward", "gradcheck", "tables")
+CLASSES = ("layouts", "reloads", "double_backward", "gradcheck", "tables", "clis")
 OK_OUTCOMES = ("error", "match", "skip")
 
 
@@ -61,8 +67,8 @@ def run(args) -> int:
     unknown = [c for c in classes if c not in CLASSES]
     if unknown or not classes:
         raise GraftConfigError(f"unknown fuzz class(es) {', '.join(unknown) or '(none)'}; known: {', '.join(CLASSES)}")
-    if args.time_budget <= 0:
-        raise GraftConfigError(f"--time-budget must be positive, got {args.time_budget}")
+    if not math.isfinite(args.time_budget) or args.time_budget <= 0:
+        raise GraftConfigError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     _check_json_out(args.json_out)
     if args.ops:  # in the parent, before any child: an unknown op is a usage error, not a finding
         import importlib
@@ -656,8 +662,77 @@ def _child_tables(ops, cases: _Cases) -> None:
             cases.run(f"{op} [{label}]", attempt)
 
 
+# ---------------------------------------------------------------- command lines
+
+
+def _cli_cases(folder: str) -> list:
+    """(label, argv) of hostile command lines; every one must be a usage error (exit 2)."""
+    binary = os.path.join(folder, "binary.json")
+    truncated = os.path.join(folder, "truncated.json")
+    shapes = os.path.join(folder, "shapes.json")
+    with open(binary, "wb") as f:
+        f.write(b"\xff\xfe\x00\x01garbage")
+    with open(truncated, "w") as f:
+        f.write('{"format": "graft-shapes/1", "shapes": [{"op": "fused.rms_norm", "args": [{"sha')
+    with open(shapes, "w") as f:
+        json.dump({"format": "graft-shapes/1", "shapes": [
+            {"op": "fused.rms_norm", "dtype": "float32", "args": [{"shape": [4, 8]}, {"shape": [8]}, 1e-6, None]}]}, f)
+    missing = os.path.join(folder, "no", "such", "folder", "file.json")
+    run = [sys.executable, "-c", "pass"]
+    return [
+        ("tune --device foo", ["tune", "--shapes", shapes, "--device", "foo", "--out", os.path.join(folder, "t.json")]),
+        ("tune --device cuda:7", ["tune", "--shapes", shapes, "--device", "cuda:7", "--out", os.path.join(folder, "t.json")]),
+        ("tune --out a folder", ["tune", "--shapes", shapes, "--out", folder]),
+        ("tune --out a missing folder", ["tune", "--shapes", shapes, "--out", missing]),
+        ("tune --shapes binary", ["tune", "--shapes", binary, "--out", os.path.join(folder, "t.json")]),
+        ("tune --shapes truncated", ["tune", "--shapes", truncated, "--out", os.path.join(folder, "t.json")]),
+        ("tune --shapes missing", ["tune", "--shapes", missing]),
+        ("tune --model binary", ["tune", "--model", binary, "--out", os.path.join(folder, "t.json")]),
+        ("tune --rounds -3", ["tune", "--shapes", shapes, "--rounds", "-3", "--out", os.path.join(folder, "t.json")]),
+        ("tune --tokens x", ["tune", "--model", folder, "--tokens", "x,y"]),
+        ("tune --ops unknown", ["tune", "--shapes", shapes, "--ops", "fused.nope", "--out", os.path.join(folder, "t.json")]),
+        ("profile --out a file", ["profile", "--out", shapes, "--", *run]),
+        ("profile --out a missing folder's child", ["profile", "--out", os.path.join(binary, "x"), "--", *run]),
+        ("profile --compare binary", ["profile", "--compare", binary, binary]),
+        ("profile --compare missing", ["profile", "--compare", missing, missing]),
+        ("profile --steps -1", ["profile", "--steps", "-1", "--", *run]),
+        ("fuzz --json missing folder", ["fuzz", "--json", missing, "--time-budget", "5"]),
+        ("fuzz --ops unknown", ["fuzz", "--ops", "fused.nope", "--time-budget", "5"]),
+        ("fuzz --time-budget nan", ["fuzz", "--time-budget", "nan"]),
+        ("fuzz --classes unknown", ["fuzz", "--classes", "nope"]),
+        ("info --device foo", ["info", "--device", "foo"]),
+        ("info --op unknown", ["info", "--op", "fused.nope"]),
+        ("info --dtype nonsense", ["info", "--dtype", "float7"]),
+        ("info --shape nonsense", ["info", "--op", "fused.rms_norm", "--shape", "axb"]),
+        ("bench-kernels --device foo", ["bench-kernels", "--device", "foo"]),
+    ]
+
+
+def _child_clis(ops, cases: _Cases) -> None:
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="graft-fuzz-clis-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFT_")}
+    for label, argv in _cli_cases(folder):
+        def attempt(argv=argv):
+            try:
+                proc = subprocess.run([sys.executable, "-m", "graft", *argv], capture_output=True, text=True,
+                                      env=env, timeout=120, cwd=folder)
+            except subprocess.TimeoutExpired:
+                return "hang", f"graft {' '.join(argv)} ran past 120 s"
+            tail = proc.stderr.strip().splitlines()[-1:] or [""]
+            if "Traceback (most recent call last)" in proc.stderr:
+                return "exception", f"exit {proc.returncode}, a traceback: {proc.stderr[-400:]}"
+            if proc.returncode != 2:
+                return "mismatch", f"exit {proc.returncode} (want 2, a usage error): {tail[0][:300]}"
+            return "error", tail[0][:300]
+
+        cases.run(label, attempt)
+
+
 CHILDREN = {"layouts": _child_layouts, "reloads": _child_reloads,
-            "double_backward": _child_double_backward, "gradcheck": _child_gradcheck, "tables": _child_tables}
+            "double_backward": _child_double_backward, "gradcheck": _child_gradcheck, "tables": _child_tables,
+            "clis": _child_clis}
 
 
 def child_main(argv) -> int:

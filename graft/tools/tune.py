@@ -66,9 +66,13 @@ def read_model_config(path: str) -> dict:
     if p.is_dir():
         p = p / "config.json"
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise GraftConfigError(f"--model {path!r}: cannot read {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise GraftConfigError(f"--model {path!r}: {p} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise GraftConfigError(f"--model {path!r}: {p} is nested too deeply to be a config") from None
     except json.JSONDecodeError as exc:
         raise GraftConfigError(f"--model {path!r}: {p} is not JSON: {exc}") from None
     if not isinstance(cfg, dict):
