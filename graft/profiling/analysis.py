@@ -36,6 +36,7 @@ from graft.profiling import ranges
 # the collectives inside it are.
 COMM = re.compile(r"^(c10d::|nccl|rccl|gloo:|mpi:|ucc:|record_param_comms)|^nccl[A-Z]|ncclDevKernel|ncclKernel", re.I)
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+MAX_WINDOW_EVENTS = 2_000_000  # events of one window the analysis keeps (a few hundred bytes each)
 IDLE = ("idle", "idle/host gap", "")
 
 
@@ -165,8 +166,12 @@ def _slim(raw, names: dict):
     cat = names.setdefault(cat, cat) if isinstance(cat, str) else None
     args = raw.get("args")
     args = args if isinstance(args, dict) else {}
-    return Event(name, cat, raw.get("pid"), raw.get("tid"), ts, dur, args.get("Sequence number"),
-                 args.get("correlation"), _dims(args) if cat == "cpu_op" else "")
+    dims = _dims(args) if cat == "cpu_op" else ""
+    pid, tid = raw.get("pid"), raw.get("tid")
+    pid, tid = (names.setdefault(pid, pid) if isinstance(pid, (int, str)) else pid,
+                names.setdefault(tid, tid) if isinstance(tid, (int, str)) else tid)
+    return Event(name, cat, pid, tid, ts, dur, args.get("Sequence number"),
+                 args.get("correlation"), names.setdefault(dims, dims))
 
 
 def _backward_of_graft_ops(top: list, ops: list, graft_ranges: list):
@@ -245,10 +250,15 @@ def analyse_events(read, wall_s: float, steps: int) -> dict:
     start, end = marks[0].ts, marks[-1].ts
     main = (marks[0].pid, marks[0].tid)
     host, device, launches, comm_elsewhere = [], [], [], []
+    kept = left_out = 0
     for raw in read():
         e = _slim(raw, names)
         if e is None or not (e.ts < end and e.ts + e.dur > start) or e.name.startswith(ranges.STEP_PREFIX):
             continue
+        if kept >= MAX_WINDOW_EVENTS:  # the bound on this analysis's memory (a few hundred bytes an event)
+            left_out += 1
+            continue
+        kept += 1
         if (e.pid, e.tid) == main:
             if e.cat in ("cpu_op", "user_annotation"):
                 host.append(e)
@@ -339,6 +349,11 @@ def analyse_events(read, wall_s: float, steps: int) -> dict:
     }
     if device:
         summary["device"] = _device(device, inside, timeline, start, end)
+    if left_out:
+        summary["window"]["events_left_out"] = left_out
+        summary.setdefault("warnings", []).append(
+            f"the window holds {kept + left_out} events; the analysis read the first {kept} of them "
+            f"(its memory bound), so {left_out} are not attributed: profile fewer --steps")
     return summary
 
 

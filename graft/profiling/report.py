@@ -51,9 +51,10 @@ def _analyse(out: Path, proc: dict) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         summary = {"window": None}
         proc["note"] = f"its trace could not be analysed: {type(exc).__name__}: {exc}"
+    warnings = summary.pop("warnings", [])
     proc.update(summary)
     proc["analysis"] = "done"
-    proc["warnings"] = problems.messages()
+    proc["warnings"] = problems.messages() + warnings
     return proc
 
 

@@ -38,7 +38,7 @@ MAX_WHOLE_FILE_BYTES = 256 << 20
 # a line holding one key and a string value: '    "name": "<anything>",'
 _STRING_LINE = re.compile(r'^(\s*"[^"\\]{1,200}":\s*)"(.*)"(\s*,?\s*)$', re.S)
 _STRING_START = re.compile(r'^\s*"[^"\\]{1,200}":\s*"')
-_ARGS = re.compile(r'(,\s*)?"args":\s*\{.*\}', re.S)
+_TRAILING_COMMA = re.compile(r",(\s*)\}$")
 
 
 @dataclass
@@ -109,6 +109,19 @@ def _reescape(line: str) -> str:
     return f"{m.group(1)}{json.dumps(m.group(2), ensure_ascii=False)}{m.group(3)}"
 
 
+def _without_args(lines: list) -> str:
+    """The event without its ``args`` block (the lines from ``"args": {`` to its closing brace)."""
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith('"args"') and line.rstrip().endswith("{"):
+            indent = line[:len(line) - len(line.lstrip())]
+            for j in range(i + 1, len(lines)):
+                if lines[j].strip() in ("}", "},") and lines[j].startswith(indent) \
+                        and not lines[j][len(indent):].startswith(" "):
+                    kept = lines[:i] + lines[j + 1:]
+                    return _TRAILING_COMMA.sub(r"\1}", "\n".join(kept).rstrip().rstrip(","))
+    return ""
+
+
 def _parse_block(lines: list, problems: Problems):
     text = "\n".join(lines).rstrip().rstrip(",")
     event = _loads(text)
@@ -119,7 +132,7 @@ def _parse_block(lines: list, problems: Problems):
     if event is not None:
         problems.repaired += 1
         return event
-    event = _loads(_ARGS.sub("", repaired))
+    event = _loads(_without_args(_repair(lines).split("\n")))
     if event is not None:
         problems.args_dropped += 1
         return event
