@@ -77,6 +77,7 @@ print("job done")
     assert ("graft", "fused.rms_norm") in rows, rows
     assert next(r for r in proc["ops"] if r["name"] == "fused.rms_norm")["calls"] == 2 * len(HOSTILE_NAMES)
     assert not any("could not be read" in w for w in profile["warnings"]), profile["warnings"]
+    assert any("unescaped" in w for w in profile["warnings"]) and "unescaped" in (out / "profile.html").read_text()
     merged = json.loads((out / "trace.json").read_text(encoding="utf-8"))  # valid JSON, whatever torch wrote
     names = {e.get("name") for e in merged["traceEvents"]}
     assert 'say "hi"' in names and '{"x": 1}}' in names
