@@ -121,6 +121,8 @@ print("job done")
     assert "job done" in run.stdout, run.stderr[-3000:]
     assert run.stderr.count("the recorder failed") == 1 and "disk full (simulated)" in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    (proc,) = report.load(tmp_path / "out")["processes"]  # named in the report, with the reason
+    assert not proc.get("window") and "disk full (simulated)" in proc["note"], proc
 
 
 # -- a window of many small calls --------------------------------------------------------------

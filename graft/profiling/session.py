@@ -182,6 +182,12 @@ def _stop_after_failure(exc: BaseException, where: str) -> None:
                 prof.stop()
     except Exception:
         pass
+    try:  # the report names the process and why it has no profile
+        if live is not None and live.pid == os.getpid():
+            live.note = f"recording failed in {where}: {type(exc).__name__}: {exc}"
+            live._write_meta(None)
+    except Exception:
+        pass
     try:
         ranges.uninstall()
     except Exception:
