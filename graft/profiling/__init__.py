@@ -38,6 +38,16 @@ def profile(out: str = "graft-profile", steps: int = 0, warmup: int = 0):
     try:
         yield recorder
     finally:
-        if session.current is recorder:
-            recorder.finish()
-        report.write(out)
+        # the block's own exception (if any) is the one that propagates: the profile's never does
+        try:
+            if session.current is recorder:
+                recorder.finish()
+        except Exception as exc:
+            session._stop_after_failure(exc, "graft.profile")
+        try:
+            report.write(out)
+        except Exception as exc:
+            import sys
+
+            print(f"[graft profile] the report in {out} could not be written: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)

@@ -23,6 +23,7 @@ correlation id), and device time no kernel covers is device idle.
 """
 from __future__ import annotations
 
+import functools
 import re
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
@@ -35,6 +36,7 @@ from graft.profiling import ranges
 # the collectives inside it are.
 COMM = re.compile(r"^(c10d::|nccl|rccl|gloo:|mpi:|ucc:|record_param_comms)|^nccl[A-Z]|ncclDevKernel|ncclKernel", re.I)
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+MAX_WINDOW_EVENTS = 2_000_000  # events of one window the analysis keeps (a few hundred bytes each)
 IDLE = ("idle", "idle/host gap", "")
 
 
@@ -44,22 +46,27 @@ def _is_comm(name: str) -> bool:
 
 def _owner(event) -> tuple:
     """(kind, name, backend) of an event that may own time."""
-    parsed = ranges.parse_range(event["name"])
+    return _owner_of(event.name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_of(name: str) -> tuple:
+    parsed = ranges.parse_range(name)
     if parsed is not None:
         op, backend, _ = parsed
         return ("comm" if op.startswith("collectives.") else "graft", op, backend)
-    if _is_comm(event["name"]):
-        return ("comm", event["name"], "")
-    return ("framework", event["name"], "")
+    if _is_comm(name):
+        return ("comm", name, "")
+    return ("framework", name, "")
 
 
 def _top_level(events: list) -> list:
     """The events not nested in another (events on one thread nest properly)."""
     out, end = [], float("-inf")
-    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
-        if e["ts"] >= end:
+    for e in sorted(events, key=lambda e: (e.ts, -e.dur)):
+        if e.ts >= end:
             out.append(e)
-            end = e["ts"] + e["dur"]
+            end = e.ts + e.dur
     return out
 
 
@@ -126,12 +133,45 @@ def _union(intervals: list) -> list:
     return out
 
 
-def _dims(event) -> str:
-    dims = (event.get("args") or {}).get("Input Dims")
-    if not dims:
+def _dims(args) -> str:
+    dims = args.get("Input Dims") if isinstance(args, dict) else None
+    if not dims or not isinstance(dims, list):
         return ""
     return ",".join("x".join(str(d) for d in dim) if isinstance(dim, list) else str(dim)
                     for dim in dims if dim not in ([], None))[:80]
+
+
+class Event:
+    """What the attribution needs of one complete ("X") trace event, and no more: a window
+    of many small calls keeps a few slots per event, not the event's whole dict."""
+    __slots__ = ("name", "cat", "pid", "tid", "ts", "dur", "seq", "corr", "dims")
+
+    def __init__(self, name, cat, pid, tid, ts, dur, seq=None, corr=None, dims=""):
+        self.name, self.cat, self.pid, self.tid, self.ts, self.dur = name, cat, pid, tid, ts, dur
+        self.seq, self.corr, self.dims = seq, corr, dims
+
+
+def _slim(raw, names: dict):
+    """The :class:`Event` of a raw trace event dict, or None (not a complete event, or one
+    whose fields are not of the types a trace has)."""
+    if not isinstance(raw, dict) or raw.get("ph") != "X":
+        return None
+    ts, dur, name = raw.get("ts"), raw.get("dur"), raw.get("name")
+    if not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)) or isinstance(ts, bool) \
+            or isinstance(dur, bool):
+        return None
+    name = name if isinstance(name, str) else str(name)
+    name = names.setdefault(name, name)  # a window of 100k calls repeats a few dozen names
+    cat = raw.get("cat")
+    cat = names.setdefault(cat, cat) if isinstance(cat, str) else None
+    args = raw.get("args")
+    args = args if isinstance(args, dict) else {}
+    dims = _dims(args) if cat == "cpu_op" else ""
+    pid, tid = raw.get("pid"), raw.get("tid")
+    pid, tid = (names.setdefault(pid, pid) if isinstance(pid, (int, str)) else pid,
+                names.setdefault(tid, tid) if isinstance(tid, (int, str)) else tid)
+    return Event(name, cat, pid, tid, ts, dur, args.get("Sequence number"),
+                 args.get("correlation"), names.setdefault(dims, dims))
 
 
 def _backward_of_graft_ops(top: list, ops: list, graft_ranges: list):
@@ -143,22 +183,22 @@ def _backward_of_graft_ops(top: list, ops: list, graft_ranges: list):
     after it), and node N's backward event carries N too."""
     creators: dict = {}
     stack: list = []
-    marked = [(e["ts"], -e["dur"], 0, i, e) for i, e in enumerate(graft_ranges)]
-    marked += [(e["ts"], -e["dur"], 1, i, e) for i, e in enumerate(ops)
-               if (e.get("args") or {}).get("Sequence number") is not None
-               and not e["name"].startswith("autograd::") and "Backward" not in e["name"]]
+    marked = [(e.ts, -e.dur, 0, i, e) for i, e in enumerate(graft_ranges)]
+    marked += [(e.ts, -e.dur, 1, i, e) for i, e in enumerate(ops)
+               if e.seq is not None
+               and not e.name.startswith("autograd::") and "Backward" not in e.name]
     for ts, _, is_op, _, e in sorted(marked, key=lambda m: m[:4]):
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+        while stack and stack[-1].ts + stack[-1].dur <= ts:
             stack.pop()
         if not is_op:
             stack.append(e)
         else:
-            creators[e["args"]["Sequence number"]] = stack[-1] if stack else None
+            creators[e.seq] = stack[-1] if stack else None
     found, ranges_per_owner = [], defaultdict(set)
     for e in top:
-        if not e["name"].startswith("autograd::engine::evaluate_function"):
+        if not e.name.startswith("autograd::engine::evaluate_function"):
             continue
-        creator = creators.get((e.get("args") or {}).get("Sequence number"))
+        creator = creators.get(e.seq)
         if creator is None:
             continue
         kind, op, backend = _owner(creator)
@@ -173,46 +213,88 @@ def analyse(trace: dict, wall_s: float, steps: int) -> dict:
     steps, wall time measured by the process, the trace's own span), ``ops`` (one row per
     owner: kind, name, backend, calls, total/mean µs, shapes) and ``comm`` (exposed vs
     overlapped, per collective); ``device`` when the trace has kernels."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    marks = sorted((e for e in events if e["name"].startswith(ranges.STEP_PREFIX)), key=lambda e: e["ts"])
+    return analyse_events(lambda: trace.get("traceEvents", []), wall_s, steps)
+
+
+def analyse_file(path, wall_s: float, steps: int, problems=None) -> dict:
+    """:func:`analyse` of a trace file, read twice as a stream (:mod:`graft.profiling.tracescan`:
+    tolerant of torch's unescaped names): memory holds the window's relevant events only."""
+    from graft.profiling import tracescan
+
+    problems = problems if problems is not None else tracescan.Problems()
+    first = [True]
+
+    def read():
+        # the second pass re-reads the same events: count the file's problems once
+        scan = problems if first[0] else tracescan.Problems()
+        first[0] = False
+        return tracescan.events(path, scan)
+    return analyse_events(read, wall_s, steps)
+
+
+def analyse_events(read, wall_s: float, steps: int) -> dict:
+    """:func:`analyse` over ``read()``, an iterable of raw event dicts it is called for twice
+    (the step marks first, then the window's events): nothing but the window's events that
+    can own time or be communication is kept."""
+    names: dict = {}
+    marks = []
+    for raw in read():
+        if isinstance(raw, dict) and str(raw.get("name", "")).startswith(ranges.STEP_PREFIX):
+            e = _slim(raw, names)
+            if e is not None:
+                marks.append(e)
+    marks.sort(key=lambda e: e.ts)
     if len(marks) < 2:
         raise ValueError(f"the trace has {len(marks)} step mark(s) ({ranges.STEP_PREFIX}N ranges); "
                          "a window needs its first and last")
-    start, end = marks[0]["ts"], marks[-1]["ts"]
-    main = (marks[0]["pid"], marks[0]["tid"])
-    inside = [e for e in events if e["ts"] < end and e["ts"] + e["dur"] > start
-              and not e["name"].startswith(ranges.STEP_PREFIX)]
-    host = [e for e in inside if (e["pid"], e["tid"]) == main and e.get("cat") in ("cpu_op", "user_annotation")]
-    graft_ranges = [e for e in host if ranges.parse_range(e["name"]) is not None]
-    ops = [e for e in host if e.get("cat") == "cpu_op"]
-    comm_here = [e for e in host if _is_comm(e["name"]) and ranges.parse_range(e["name"]) is None]
-    top = _top_level(ops)
-    device = [e for e in inside if e.get("cat") in DEVICE_CATS]
-    comm_elsewhere = [e for e in inside if (e["pid"], e["tid"]) != main and e.get("cat") != "Trace"
-                      and _is_comm(e["name"])]
-    comm_elsewhere += [e for e in device if _is_comm(e["name"])]
+    start, end = marks[0].ts, marks[-1].ts
+    main = (marks[0].pid, marks[0].tid)
+    host, device, launches, comm_elsewhere = [], [], [], []
+    kept = left_out = 0
+    for raw in read():
+        e = _slim(raw, names)
+        if e is None or not (e.ts < end and e.ts + e.dur > start) or e.name.startswith(ranges.STEP_PREFIX):
+            continue
+        if kept >= MAX_WINDOW_EVENTS:  # the bound on this analysis's memory (a few hundred bytes an event)
+            left_out += 1
+            continue
+        kept += 1
+        if (e.pid, e.tid) == main:
+            if e.cat in ("cpu_op", "user_annotation"):
+                host.append(e)
+        elif e.cat != "Trace" and _is_comm(e.name):
+            comm_elsewhere.append(e)
+        if e.cat in DEVICE_CATS:
+            device.append(e)
+        elif e.corr is not None and e.cat in ("cuda_runtime", "cuda_driver"):
+            launches.append(e)
+    inside = launches
+    graft_ranges = [e for e in host if ranges.parse_range(e.name) is not None]
+    ops = [e for e in host if e.cat == "cpu_op"]
+    comm_here = [e for e in host if _is_comm(e.name) and ranges.parse_range(e.name) is None]
+    top = _top_level(ops)  # (a collective's device kernels are in comm_elsewhere: not on the host thread)
 
-    timeline = _Timeline(start, end, [(e["ts"], e["ts"] + e["dur"]) for e in host + comm_elsewhere])
+    timeline = _Timeline(start, end, [(e.ts, e.ts + e.dur) for e in host + comm_elsewhere])
     for e in top:
-        timeline.paint(e["ts"], e["ts"] + e["dur"], _owner(e))
+        timeline.paint(e.ts, e.ts + e.dur, _owner(e))
     # The host blocked on a collective running elsewhere (gloo's threads, NCCL's stream):
     # its wait() is no op of its own, so it shows as idle time or as a top-level op's own time.
     # (A leaf op computes all its time; a parent, an autograd Function say, may wait in its own.)
     top_ids = {id(e) for e in top}
-    children = [(e["ts"], e["ts"] + e["dur"]) for e in ops if id(e) not in top_ids]
+    children = [(e.ts, e.ts + e.dur) for e in ops if id(e) not in top_ids]
     starts = sorted(s for s, _ in children)
-    leaves = [(e["ts"], e["ts"] + e["dur"]) for e in top
-              if bisect_left(starts, e["ts"]) == bisect_left(starts, e["ts"] + e["dur"])]
+    leaves = [(e.ts, e.ts + e.dur) for e in top
+              if bisect_left(starts, e.ts) == bisect_left(starts, e.ts + e.dur)]
     covered = timeline.covered(children + leaves)
-    for s, e in _union([(x["ts"], x["ts"] + x["dur"]) for x in comm_elsewhere]):
+    for s, e in _union([(x.ts, x.ts + x.dur) for x in comm_elsewhere]):
         timeline.paint_gaps(s, e, ("comm", "waiting for collectives (other threads/streams)", ""), covered)
-    for e in sorted(comm_here, key=lambda e: (e["ts"], -e["dur"])):
-        timeline.paint(e["ts"], e["ts"] + e["dur"], _owner(e))
+    for e in sorted(comm_here, key=lambda e: (e.ts, -e.dur)):
+        timeline.paint(e.ts, e.ts + e.dur, _owner(e))
     backward, backward_calls = _backward_of_graft_ops(top, ops, graft_ranges)
     for e, owner in backward:
-        timeline.paint(e["ts"], e["ts"] + e["dur"], owner)
-    for e in sorted(graft_ranges, key=lambda e: (e["ts"], -e["dur"])):
-        timeline.paint(e["ts"], e["ts"] + e["dur"], _owner(e))
+        timeline.paint(e.ts, e.ts + e.dur, owner)
+    for e in sorted(graft_ranges, key=lambda e: (e.ts, -e.dur)):
+        timeline.paint(e.ts, e.ts + e.dur, _owner(e))
 
     calls: dict = defaultdict(int, backward_calls)
     shapes: dict = defaultdict(dict)
@@ -220,12 +302,12 @@ def analyse(trace: dict, wall_s: float, steps: int) -> dict:
     for e in top + [e for e in comm_here if id(e) not in top_ids]:
         if _owner(e)[0] != "graft" and id(e) not in in_backward:
             calls[_owner(e)] += 1
-            dims = _dims(e)
+            dims = e.dims
             if dims and len(shapes[_owner(e)]) < 4:
                 shapes[_owner(e)][dims] = None
     stack: list = []  # enclosing graft ranges: a range inside one of the same op (an entry
-    for e in sorted(graft_ranges, key=lambda e: (e["ts"], -e["dur"])):  # point over its impl) is one call
-        while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+    for e in sorted(graft_ranges, key=lambda e: (e.ts, -e.dur)):  # point over its impl) is one call
+        while stack and stack[-1].ts + stack[-1].dur <= e.ts:
             stack.pop()
         owner = _owner(e)
         nested = bool(stack) and _owner(stack[-1])[1] == owner[1]
@@ -233,7 +315,7 @@ def analyse(trace: dict, wall_s: float, steps: int) -> dict:
         if nested:
             continue
         calls[owner] += 1
-        bucket = ranges.parse_range(e["name"])[2]
+        bucket = ranges.parse_range(e.name)[2]
         if len(shapes[owner]) < 6:
             shapes[owner][bucket] = None
     totals = timeline.totals()
@@ -244,22 +326,22 @@ def analyse(trace: dict, wall_s: float, steps: int) -> dict:
         rows.append({"kind": kind, "name": name, "backend": backend, "calls": n, "total_us": total,
                      "mean_us": total / n if n else None, "shapes": list(shapes.get(owner, {}))})
 
-    comm_total = sum(e - s for s, e in _union([(x["ts"], x["ts"] + x["dur"]) for x in comm_elsewhere + comm_here]))
+    comm_total = sum(e - s for s, e in _union([(x.ts, x.ts + x.dur) for x in comm_elsewhere + comm_here]))
     exposed = sum(r["total_us"] for r in rows if r["kind"] == "comm")
     overlapped = sum(timeline.overlap(s, e, ("graft", "framework"))
-                     for s, e in _union([(x["ts"], x["ts"] + x["dur"]) for x in comm_elsewhere]))
+                     for s, e in _union([(x.ts, x.ts + x.dur) for x in comm_elsewhere]))
     per_collective: dict = defaultdict(lambda: {"calls": 0, "total_us": 0.0, "hidden_us": 0.0})
     elsewhere = {id(e) for e in comm_elsewhere}
     for e in comm_elsewhere + comm_here:
-        entry = per_collective[e["name"]]
+        entry = per_collective[e.name]
         entry["calls"] += 1
-        entry["total_us"] += e["dur"]
+        entry["total_us"] += e.dur
         if id(e) in elsewhere:
-            entry["hidden_us"] += timeline.overlap(e["ts"], e["ts"] + e["dur"], ("graft", "framework"))
+            entry["hidden_us"] += timeline.overlap(e.ts, e.ts + e.dur, ("graft", "framework"))
     summary = {
         "window": {"start_us": start, "end_us": end, "trace_span_us": end - start, "wall_us": wall_s * 1e6,
                    "steps": steps, "host_thread": list(main),
-                   "step_span_us": [round(b["ts"] - a["ts"], 1) for a, b in zip(marks, marks[1:])]},
+                   "step_span_us": [round(b.ts - a.ts, 1) for a, b in zip(marks, marks[1:])]},
         "ops": rows,
         "comm": {"total_us": comm_total, "exposed_us": exposed, "overlapped_us": overlapped,
                  "collectives": [dict(name=k, **v) for k, v in sorted(per_collective.items(),
@@ -267,6 +349,11 @@ def analyse(trace: dict, wall_s: float, steps: int) -> dict:
     }
     if device:
         summary["device"] = _device(device, inside, timeline, start, end)
+    if left_out:
+        summary["window"]["events_left_out"] = left_out
+        summary.setdefault("warnings", []).append(
+            f"the window holds {kept + left_out} events; the analysis read the first {kept} of them "
+            f"(its memory bound), so {left_out} are not attributed: profile fewer --steps")
     return summary
 
 
@@ -274,17 +361,17 @@ def _device(kernels: list, inside: list, timeline: _Timeline, start: float, end:
     """Kernel time per owner of the host instant that launched each kernel (correlation ids)."""
     launches = {}
     for e in inside:
-        corr = (e.get("args") or {}).get("correlation")
-        if corr is not None and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+        corr = e.corr
+        if corr is not None and e.cat in ("cuda_runtime", "cuda_driver"):
             launches[corr] = e
     totals: dict = defaultdict(float)
     for k in kernels:
-        launch = launches.get((k.get("args") or {}).get("correlation"))
-        owner = timeline.owner_at(launch["ts"]) if launch is not None else None
+        launch = launches.get(k.corr)
+        owner = timeline.owner_at(launch.ts) if launch is not None else None
         if owner is None or owner == IDLE:
-            owner = ("comm", k["name"], "") if _is_comm(k["name"]) else ("framework", "kernels launched outside ops", "")
-        totals[owner] += min(k["ts"] + k["dur"], end) - max(k["ts"], start)
-    busy = sum(e - s for s, e in _union([(max(k["ts"], start), min(k["ts"] + k["dur"], end)) for k in kernels]))
+            owner = ("comm", k.name, "") if _is_comm(k.name) else ("framework", "kernels launched outside ops", "")
+        totals[owner] += min(k.ts + k.dur, end) - max(k.ts, start)
+    busy = sum(e - s for s, e in _union([(max(k.ts, start), min(k.ts + k.dur, end)) for k in kernels]))
     return {"busy_us": busy, "idle_us": (end - start) - busy,
             "ops": [{"kind": o[0], "name": o[1], "backend": o[2], "total_us": t}
                     for o, t in sorted(totals.items(), key=lambda kv: -kv[1])]}

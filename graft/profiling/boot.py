@@ -42,7 +42,10 @@ def start_from_environment() -> None:
 
 
 def _begin(out: str, steps: int, warmup: int) -> None:
-    from graft.profiling import session
+    try:  # runs inside the job's own `import torch`: a failure here must not become the job's
+        from graft.profiling import session
 
-    session.begin(out, steps=steps, warmup=warmup)
-    atexit.register(session.finish_at_exit)
+        session.begin(out, steps=steps, warmup=warmup)
+        atexit.register(session.finish_at_exit)
+    except Exception as exc:
+        print(f"[graft profile] not profiling process {os.getpid()}: {type(exc).__name__}: {exc}", file=sys.stderr)

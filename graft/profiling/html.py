@@ -130,6 +130,8 @@ def page(profile: dict) -> str:
              f"{len(recorded)} process(es) recorded; traces: <code>trace.json</code> (all) and "
              f"<code>&lt;label&gt;.trace.json</code> (open in Perfetto or chrome://tracing); shapes for "
              f"<code>graft tune</code>: <code>{escape(profile['shapes'])}</code></p>"]
+    for warning in profile.get("warnings") or []:  # events the traces' reader could not read, and such
+        parts.append(f'<p class="note">warning: {escape(str(warning))}</p>')
     for proc in profile["processes"]:
         if not proc.get("window"):
             parts.append(f'<p class="note">{escape(proc["label"])} ({escape(proc["role"])}, pid {proc["pid"]}): '

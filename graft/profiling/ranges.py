@@ -110,13 +110,16 @@ def instrument(impl):
         record = torch.profiler.record_function
 
         def profiled(*args, **kwargs):
-            key = args[key_arg] if len(args) > key_arg else None
-            if isinstance(key, torch.Tensor):
-                name, dtype = range_name(op, backend, bucket(key.shape)), str(key.dtype).removeprefix("torch.")
-            else:
-                name, dtype = range_name(op, backend, "-"), "-"
-            seen[(op, backend, dtype, _freeze([_summary(a) for a in args]),
-                  _freeze({k: _summary(v) for k, v in kwargs.items()}))] += 1
+            try:  # the bookkeeping of a profile never fails the call it records
+                key = args[key_arg] if len(args) > key_arg else None
+                if isinstance(key, torch.Tensor):
+                    name, dtype = range_name(op, backend, bucket(key.shape)), str(key.dtype).removeprefix("torch.")
+                else:
+                    name, dtype = range_name(op, backend, "-"), "-"
+                seen[(op, backend, dtype, _freeze([_summary(a) for a in args]),
+                      _freeze({k: _summary(v) for k, v in kwargs.items()}))] += 1
+            except Exception:
+                name = range_name(op, backend, "-")
             with record(name):
                 return fn(*args, **kwargs)
 
@@ -182,11 +185,14 @@ def _wrap_entry(fn, op: str, backend_of, key_of):
             backend = backend_of(args, kwargs)
         except Exception:  # bad arguments: the entry point itself names the problem
             return fn(*args, **kwargs)
-        key = key_of(args, kwargs)
-        shape = bucket(key.shape) if isinstance(key, torch.Tensor) else "-"
-        dtype = str(key.dtype).removeprefix("torch.") if isinstance(key, torch.Tensor) else "-"
-        seen[(op, backend, dtype, _freeze([_summary(a) for a in args]),
-              _freeze({k: _summary(v) for k, v in kwargs.items() if k != "served"}))] += 1
+        try:  # the bookkeeping of a profile never fails the call it records
+            key = key_of(args, kwargs)
+            shape = bucket(key.shape) if isinstance(key, torch.Tensor) else "-"
+            dtype = str(key.dtype).removeprefix("torch.") if isinstance(key, torch.Tensor) else "-"
+            seen[(op, backend, dtype, _freeze([_summary(a) for a in args]),
+                  _freeze({k: _summary(v) for k, v in kwargs.items() if k != "served"}))] += 1
+        except Exception:
+            shape = "-"
         with record(range_name(op, backend, shape)):
             return fn(*args, **kwargs)
 

@@ -1,6 +1,11 @@
 """The profile's folder, merged: ``profile.json`` (every process's attribution, with the
 Amdahl estimate per row), ``shapes.json`` (for ``graft tune``), ``trace.json`` (all
-processes' traces in one, each named) and ``profile.html`` (:mod:`graft.profiling.html`)."""
+processes' traces in one, each named) and ``profile.html`` (:mod:`graft.profiling.html`).
+
+This is where each process's trace is read and its window attributed (the processes only
+record): each trace is streamed (:mod:`graft.profiling.tracescan`, tolerant of torch's
+unescaped names), so memory holds one window's slimmed events, never a whole trace. What
+could not be read is said in the process's ``warnings`` and the profile's."""
 from __future__ import annotations
 
 import importlib
@@ -14,12 +19,43 @@ from graft.profiling import shapes
 FORMAT = "graft-profile/1"
 
 
-def processes(out) -> list:
-    """Every process's summary in ``out`` (``<label>.summary.json``), ranks first."""
+def processes(out, warnings: list | None = None) -> list:
+    """Every process's summary in ``out`` (``<label>.summary.json``), ranks first; a process
+    whose trace is not analysed yet is analysed now (and its summary file completed)."""
+    warnings = warnings if warnings is not None else []
     found = []
     for path in sorted(Path(out).glob("*.summary.json")):
-        found.append(json.loads(path.read_text()))
+        try:
+            proc = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+            if not isinstance(proc, dict) or "label" not in proc:
+                raise ValueError("not a process summary")
+        except (OSError, ValueError) as exc:
+            warnings.append(f"{path.name}: unreadable, left out ({exc})")
+            continue
+        if proc.get("analysis") == "pending":
+            proc = _analyse(Path(out), proc)
+            _replace(path, json.dumps(proc, indent=1) + "\n")
+        warnings.extend(f"{proc.get('label')}: {w}" for w in proc.get("warnings") or [])
+        found.append(proc)
     return sorted(found, key=lambda p: (p.get("rank") is None, p.get("rank") or 0, p.get("pid") or 0))
+
+
+def _analyse(out: Path, proc: dict) -> dict:
+    from graft.profiling import analysis, tracescan
+
+    proc = dict(proc)
+    problems = tracescan.Problems()
+    try:
+        summary = analysis.analyse_file(out / proc["trace"], wall_s=proc["wall_us"] / 1e6,
+                                        steps=proc.get("window_steps") or 0, problems=problems)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        summary = {"window": None}
+        proc["note"] = f"its trace could not be analysed: {type(exc).__name__}: {exc}"
+    warnings = summary.pop("warnings", [])
+    proc.update(summary)
+    proc["analysis"] = "done"
+    proc["warnings"] = problems.messages() + warnings
+    return proc
 
 
 def amdahl_2x(total_us: float, window_us: float) -> float:
@@ -66,30 +102,40 @@ def _complete(proc: dict) -> dict:
 
 
 def build(out, command=None) -> dict:
-    procs = [_complete(p) for p in processes(out)]
+    warnings: list = []
+    procs = [_complete(p) for p in processes(out, warnings)]
     return {"format": FORMAT, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,
-            "folder": os.path.abspath(out), "processes": procs, "shapes": shapes.FILE}
+            "folder": os.path.abspath(out), "processes": procs, "shapes": shapes.FILE, "warnings": warnings}
 
 
 def merge_traces(out, procs: list) -> Path | None:
-    """All processes' traces in one file, each process named by its label and role."""
-    events = []
-    for proc in procs:
-        if not proc.get("trace"):
-            continue
-        data = json.loads((Path(out) / proc["trace"]).read_text())
-        name = f"{proc['label']} ({proc['role']})"
-        for e in data.get("traceEvents", []):
-            if e.get("ph") == "M" and e.get("name") == "process_name":
-                continue
-            if isinstance(e.get("pid"), str):  # the profiler's own "Spans"/"Traces" rows
-                e = dict(e, pid=f"{proc['label']} {e['pid']}")
-            events.append(e)
-        events.append({"ph": "M", "name": "process_name", "pid": proc["pid"], "tid": 0, "args": {"name": name}})
-    if not events:
+    """All processes' traces in one file, each process named by its label and role: streamed
+    event by event (written as valid JSON even where torch's export was not)."""
+    from graft.profiling import tracescan
+
+    sources = [p for p in procs if p.get("trace") and (Path(out) / p["trace"]).is_file()]
+    if not sources:
         return None
     path = Path(out) / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        first = True
+        for proc in sources:
+            name = f"{proc['label']} ({proc['role']})"
+            events = tracescan.events(Path(out) / proc["trace"])
+            for e in events:
+                if e.get("ph") == "M" and e.get("name") == "process_name":
+                    continue
+                if isinstance(e.get("pid"), str):  # the profiler's own "Spans"/"Traces" rows
+                    e = dict(e, pid=f"{proc['label']} {e['pid']}")
+                f.write(("" if first else ",\n") + json.dumps(e, ensure_ascii=False))
+                first = False
+            f.write(("" if first else ",\n") + json.dumps(
+                {"ph": "M", "name": "process_name", "pid": proc["pid"], "tid": 0, "args": {"name": name}}))
+            first = False
+        f.write("\n]}\n")
+    os.replace(tmp, path)
     return path
 
 
@@ -99,7 +145,14 @@ def write(out, command=None) -> dict:
 
     profile = build(out, command)
     recorded = [p for p in profile["processes"] if p.get("window")]
-    entries = [shapes.read(p) for p in sorted(Path(out).glob("*.shapes.json"))]
+    entries = []
+    for p in sorted(Path(out).glob("*.shapes.json")):
+        if p.name == shapes.FILE:
+            continue
+        try:
+            entries.append(shapes.read(p))
+        except (OSError, ValueError) as exc:
+            profile["warnings"].append(f"{p.name}: unreadable, its shapes left out ({exc})")
     shapes.write(Path(out) / shapes.FILE, shapes.merge(*entries))
     merge_traces(out, recorded)
     _replace(Path(out) / "profile.json", json.dumps(profile, indent=1) + "\n")
@@ -118,10 +171,21 @@ def load(path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "profile.json"
-    data = json.loads(path.read_text())
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a graft profile (format {data.get('format')!r}, expected {FORMAT!r})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path}: not a readable graft profile ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{path}: not a graft profile (format {got!r}, expected {FORMAT!r})")
+    if not isinstance(data.get("processes"), list) or not all(isinstance(p, dict) for p in data["processes"]):
+        raise ValueError(f"{path}: a graft profile without a list of processes (a damaged file?)")
     return data
+
+
+def _pair_key(proc: dict):
+    """Processes of two runs pair by rank (labels carry pids, which differ between runs)."""
+    return f"rank{proc['rank']}" if isinstance(proc.get("rank"), int) else proc.get("label")
 
 
 def compare(a: dict, b: dict, names=("A", "B")) -> str:
@@ -129,15 +193,15 @@ def compare(a: dict, b: dict, names=("A", "B")) -> str:
     time per step in A and B and the ratio B/A."""
     lines = []
     procs_a = [p for p in a["processes"] if p.get("window")]
-    procs_b = {p["label"]: p for p in b["processes"] if p.get("window")}
+    procs_b = {_pair_key(p): p for p in b["processes"] if p.get("window")}
     ordered_b = [p for p in b["processes"] if p.get("window")]
     matched = set()
     for i, pa in enumerate(procs_a):
-        pb = procs_b.get(pa["label"]) or (ordered_b[i] if i < len(ordered_b) else None)
-        if pb is None or pb["label"] in matched:
+        pb = procs_b.get(_pair_key(pa)) or (ordered_b[i] if i < len(ordered_b) else None)
+        if pb is None or _pair_key(pb) in matched:
             lines.append(f"{pa['label']}: only in {names[0]}")
             continue
-        matched.add(pb["label"])
+        matched.add(_pair_key(pb))
         wa, wb = pa["window"], pb["window"]
         step_a = wa["trace_span_us"] / max(wa["steps"], 1)
         step_b = wb["trace_span_us"] / max(wb["steps"], 1)
@@ -161,6 +225,6 @@ def compare(a: dict, b: dict, names=("A", "B")) -> str:
             if key not in seen:
                 per_b = rb["total_us"] / max(wb["steps"], 1) / 1e3
                 lines.append(f"  {rb['name'][:46]:<46} {rb['kind']:<10} {'-':>12} {per_b:>12.3f} {'-':>7}")
-    for label in sorted(procs_b.keys() - matched):
-        lines.append(f"{label}: only in {names[1]}")
+    for key in sorted(procs_b.keys() - matched, key=str):
+        lines.append(f"{procs_b[key]['label']}: only in {names[1]}")
     return "\n".join(lines)

@@ -9,12 +9,20 @@ DeepSpeed step that also steps an inner optimizer counts once). The window opens
 ``warmup`` steps (0: at once) and closes after ``steps`` more (0: when the process exits
 or the ``with`` block ends).
 
-Each process writes, named by its label (``rank<R>`` under torch.distributed, else
-``pid<P>``): ``<label>.trace.json`` (Chrome/Perfetto), ``<label>.summary.json`` (the
-attribution of its window, :mod:`graft.profiling.analysis`) and ``<label>.shapes.json``.
+Each process writes, named by its label (``rank<R>-pid<P>`` under torch.distributed, else
+``pid<P>``: a process forked from a rank has a label of its own): ``<label>.trace.json``
+(Chrome/Perfetto), ``<label>.summary.json`` (what the process measured: its steps' wall
+times, the trace's name) and ``<label>.shapes.json``. The process only records: reading the
+trace and attributing its window (:mod:`graft.profiling.analysis`) is the report's work
+(:mod:`graft.profiling.report`), in ``graft profile``'s own process.
+
+Nothing the recorder does may break the job it records: an exception inside it (a step
+hook, the window's end, a fork, the exit hook) is reported once on stderr, the recording
+stops, and the job goes on (:func:`_contained`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -23,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from graft.profiling import analysis, ranges, shapes
+from graft.profiling import ranges, shapes
 from graft.after_import import after_import
 
 
@@ -94,20 +102,19 @@ class Recorder:
             self.marks.append(time.perf_counter())
             _mark(len(self.marks))
             self.note = note
-        wall = self.marks[-1] - self.t0
         self.prof.stop()
         self.out.mkdir(parents=True, exist_ok=True)
         label = self.label()
         trace = self.out / f"{label}.trace.json"
-        self.prof.export_chrome_trace(str(trace))
+        self.prof.export_chrome_trace(str(trace))  # torch writes it (C++); nothing here reads it back
         self.prof = None
-        summary = analysis.analyse(json.loads(trace.read_text()), wall_s=wall, steps=len(self.marks))
-        self._write_meta(summary, trace.name)
         shapes.write(self.out / f"{label}.shapes.json", ranges.records())
+        self._write_meta({"window": None, "analysis": "pending", "wall_us": (self.marks[-1] - self.t0) * 1e6,
+                          "window_steps": len(self.marks)}, trace.name)
 
     def label(self) -> str:
         rank = _rank()
-        return f"rank{rank}" if rank is not None else f"pid{self.pid}"
+        return f"rank{rank}-pid{self.pid}" if rank is not None else f"pid{self.pid}"
 
     def _write_meta(self, summary, trace_name: str | None = None) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -153,14 +160,60 @@ def _role(source) -> str:
 
 # -- the process's one recorder and its step sources ------------------------------------------
 current: Recorder | None = None
+_failed: list = []  # the first failure of this process's recorder, once reported
 
 
+def _stop_after_failure(exc: BaseException, where: str) -> None:
+    """The recorder failed: say so once, stop recording, leave the job alone."""
+    global current
+    live, current = current, None
+    if not _failed:
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        try:
+            print(f"[graft profile] process {os.getpid()}: the recorder failed in {where} and stopped recording "
+                  f"(the job goes on): {type(exc).__name__}: {exc}", file=sys.stderr)
+        except Exception:
+            pass
+    try:
+        if live is not None:
+            live.finished = True
+            if live.prof is not None:
+                prof, live.prof = live.prof, None
+                prof.stop()
+    except Exception:
+        pass
+    try:  # the report names the process and why it has no profile
+        if live is not None and live.pid == os.getpid():
+            live.note = f"recording failed in {where}: {type(exc).__name__}: {exc}"
+            live._write_meta(None)
+    except Exception:
+        pass
+    try:
+        ranges.uninstall()
+    except Exception:
+        pass
+
+
+def _contained(fn):
+    """``fn`` never raises into the job's code (an optimizer's step, vLLM's engine, a fork,
+    the interpreter's exit): see :func:`_stop_after_failure`."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            _stop_after_failure(exc, fn.__name__)
+    return run
+
+
+@_contained
 def step(source=("user",)) -> None:
     """Mark a step boundary (``graft.profiling.step()`` in a loop without an optimizer)."""
     if current is not None:
         current.step(source)
 
 
+@_contained
 def _optimizer_stepped(optimizer, args, kwargs) -> None:
     if current is not None:
         current.step(("optimizer", id(optimizer)))
@@ -181,6 +234,7 @@ def install_step_sources() -> None:
     after_import("vllm.v1.worker.worker_base", _wrap_vllm_worker_steps)
 
 
+@_contained
 def _wrap_vllm_steps(module) -> None:
     engine = getattr(module, "EngineCore", None)
     for name in ("step", "step_with_batch_queue"):
@@ -199,6 +253,7 @@ def _wrap_vllm_steps(module) -> None:
         setattr(engine, name, counted)
 
 
+@_contained
 def _wrap_vllm_worker_steps(module) -> None:
     """A vLLM worker's step starts with each ``execute_model`` that runs the model (the
     sampling that follows belongs to it)."""
@@ -228,6 +283,7 @@ def begin(out, steps: int = 0, warmup: int = 0, role: str | None = None) -> Reco
     return current
 
 
+@_contained
 def finish_at_exit() -> None:
     """Write what the window holds when the process ends before it closed."""
     live = current
@@ -246,11 +302,13 @@ def finish_at_exit() -> None:
                     "of the window")
 
 
+@_contained
 def _after_fork_in_child() -> None:
     """A forked child (vLLM's engine core, a DataLoader worker) starts its own window: the
     parent's profiler state is not the child's to stop."""
     global current
     parent = current
+    _failed.clear()
     if parent is None or parent.finished:
         return
     if parent.prof is not None:
