@@ -100,8 +100,7 @@ def _recorded_cases():
         args, kwargs = case.inputs("cpu", dtype)
         entry = {"op": case.op, "dtype": str(dtype).replace("torch.", ""), "args": [_summary(a) for a in args],
                  "kwargs": {k: _summary(v) for k, v in kwargs.items()}}
-        if any(isinstance(a, dict) and "type" in a for a in entry["args"]):
-            continue  # a dtype argument: recorded by type only
+        assert not any(isinstance(a, dict) and "type" in a for a in entry["args"]), (case.id, entry["args"])
         out.append((case, spec, args, kwargs, entry))
     return out
 
@@ -111,7 +110,8 @@ def test_recorded_calls_of_every_op_replay_as_valid_calls():
     call the op's validation accepts, in the bucket of the original call."""
     found = _recorded_cases()
     assert {c.op for c, *_ in found} >= {"attention.prefill", "attention.prefill_paged", "attention.decode_paged",
-                                         "fused.rotary_embedding", "moe.fused_experts", "gemm.linear"}
+                                         "fused.rotary_embedding", "moe.fused_experts", "gemm.linear", "gemm.w8a8",
+                                         "gemm.fp8"}
     for case, spec, args, kwargs, entry in found:
         a, k = call_arguments(entry, spec, "cpu", torch.Generator().manual_seed(0), case.id)
         if spec.validate is not None:

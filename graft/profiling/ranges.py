@@ -51,6 +51,8 @@ def _summary(value):
         return {"shape": [int(d) for d in value.shape], "dtype": str(value.dtype).removeprefix("torch.")}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, torch.dtype):  # e.g. a GEMM's out_dtype: replayable by name
+        return {"torch_dtype": str(value).removeprefix("torch.")}
     if isinstance(value, (list, tuple)):
         return [_summary(v) for v in value] if len(value) <= 8 else {"type": type(value).__name__, "len": len(value)}
     return {"type": type(value).__name__}

@@ -11,8 +11,8 @@ call of a graft op::
      "calls": 12}                                    # how many calls had exactly these arguments
 
 ``args`` holds one item per positional argument: a tensor as ``{"shape", "dtype"}``, a
-scalar (int, float, bool, str, None) as itself, a short list item by item, anything else
-as ``{"type": name}``. ``backend`` is what served the calls, ``calls`` counts them over the
+scalar (int, float, bool, str, None) as itself, a torch dtype as ``{"torch_dtype": name}``,
+a short list item by item, anything else as ``{"type": name}``. ``backend`` is what served the calls, ``calls`` counts them over the
 whole profiled run (warm-up included). Entries of several processes are merged by adding
 their calls. All reading and writing of the format is in this module.
 """

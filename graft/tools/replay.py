@@ -64,6 +64,8 @@ def _tensor(spec: dict, default_dtype, device, gen, where: str) -> torch.Tensor:
 def _value(item, default_dtype, device, gen, where: str):
     if isinstance(item, dict) and "shape" in item:
         return _tensor(item, default_dtype, device, gen, where)
+    if isinstance(item, dict) and "torch_dtype" in item:
+        return dtype_of(item["torch_dtype"])
     if isinstance(item, dict) and "type" in item:
         raise GraftConfigError(f"{where}: a {item['type']} argument was recorded by type only; it cannot be replayed")
     if isinstance(item, list):
