@@ -175,3 +175,12 @@ def test_the_scan_finds_a_private_median(tmp_path):
     found = _offenders(tmp_path)
     assert [f.split(":")[0] for f in found] == ["graph.py", "mine.py", "mine.py"]
     assert statistics.median([1, 2]) == 1.5
+
+
+def test_fastest_is_the_best_of_its_tries_with_the_sync_timed():
+    clock = FakeClock()
+    synced = []
+    best = timing.fastest(clock.variant("f", [3.0, 1.0, 2.0]), 3, sync=lambda: synced.append(1) or None, timer=clock)
+    assert best == 1.0 and len(synced) == 3
+    with pytest.raises(ValueError, match="tries >= 1"):
+        timing.fastest(lambda: None, 0)

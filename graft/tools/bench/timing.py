@@ -143,6 +143,22 @@ def device_rounds(runners: dict, rounds: int, device, into: dict | None = None,
     return into
 
 
+def fastest(fn: Callable, tries: int = 3, sync: Callable | None = None, timer: Callable = time.perf_counter) -> float:
+    """The best of ``tries`` timed calls of ``fn()`` (each followed by ``sync()``, timed, when
+    given): a shared machine's stalls are not the call's time, the best of a few is what the
+    call costs. For sizing rounds, not for results."""
+    if tries < 1:
+        raise ValueError(f"fastest needs tries >= 1 (got {tries})")
+    best = math.inf
+    for _ in range(tries):
+        start = timer()
+        fn()
+        if sync is not None:
+            sync()
+        best = min(best, timer() - start)
+    return best
+
+
 def wall_per_call(fn: Callable, iters: int, device, timer: Callable = time.perf_counter) -> float:
     """Wall seconds per call of ``iters`` back-to-back calls of ``fn()``, the device
     synchronised at the end (the caller synchronises, or meets a barrier, before): for work
