@@ -293,17 +293,9 @@ def _tokens(spec, args):
 def _time_once(variants: dict, sync) -> float:
     """The slowest candidate's best of three calls (a shared machine's stalls are not the
     call's time: the best of a few is what the call costs)."""
-    slowest = 0.0
-    for fn in variants.values():
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            if sync is not None:
-                sync()
-            best = min(best, time.perf_counter() - start)
-        slowest = max(slowest, best)
-    return slowest
+    from graft.tools.bench.timing import fastest
+
+    return max((fastest(fn, 3, sync) for fn in variants.values()), default=0.0)
 
 
 # --------------------------------------------------------------------------- the command

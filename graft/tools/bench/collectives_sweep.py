@@ -30,6 +30,8 @@ import sys
 import time
 from datetime import timedelta
 
+from graft.tools.bench import timing
+
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
@@ -96,16 +98,11 @@ def _time(fn, iters: int, warmup: int, device) -> float:
     import torch
     import torch.distributed as dist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
-    sync()
+    timing.sync(device)
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
+    elapsed = torch.tensor([timing.wall_per_call(fn, iters, device)], dtype=torch.float64,
                            device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank defines the collective's time
     return float(elapsed.item())
@@ -244,8 +241,6 @@ def _overhead_pairs(x, ws: int):
 
 def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
     try:
-        import statistics
-
         import torch
         import torch.distributed as dist
 
@@ -262,19 +257,14 @@ def _overhead_rank(rank: int, ws: int, port: int, args, queue) -> None:
             for _ in range(args["warmup"]):
                 lib()
                 graft_fn()
-            times: dict[str, list] = {"library": [], "graft": []}
             dist.barrier()
-            for rnd in range(args["rounds"]):
-                # Interleaved, alternating which goes first. No barrier per batch (it would add
-                # its own noise): every rank runs the same sequence, the collectives couple them.
-                order = (("library", lib), ("graft", graft_fn)) if rnd % 2 == 0 else (("graft", graft_fn), ("library", lib))
-                for label, fn in order:
-                    start = time.perf_counter()
-                    for _ in range(args["batch"]):
-                        fn()
-                    times[label].append((time.perf_counter() - start) / args["batch"])
+            # Interleaved, alternating which goes first (two variants: the harness's rotation).
+            # No barrier per batch (it would add its own noise): every rank runs the same
+            # sequence, the collectives couple them.
+            times = timing.interleaved({"library": lib, "graft": graft_fn}, rounds=args["rounds"],
+                                       inner=args["batch"], warmup=0)
             # Each rank's medians; the slowest rank's count (a collective is as slow as its slowest rank).
-            medians = torch.tensor([statistics.median(times["library"]), statistics.median(times["graft"])],
+            medians = torch.tensor([times["library"], times["graft"]],
                                    dtype=torch.float64)
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)
             lib_us, graft_us = float(medians[0]) * 1e6, float(medians[1]) * 1e6

@@ -61,13 +61,15 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
+
+from graft.tools.bench import timing
+from graft.tools.bench.timing import TARGET_GRAPH_S, clock as _clock, prepare, sync as _sync  # noqa: F401 - re-exported
 
 LLAMA_8B_NK = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 LLAMA_70B_TP8_NK = ((1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584))
@@ -99,7 +101,6 @@ INT_MM_MIN_M = 17  # torch._int_mm (cuBLASLt / hipBLASLt int8) refuses M <= 16
 
 DENSE_MOE_MAX_FLOPS = 2e14  # the dense all-experts baseline past this takes seconds per call
 BASELINE_MAX_BYTES = 16 << 30  # skip a baseline whose extra inputs would take more memory
-TARGET_GRAPH_S = 2e-3  # calls per captured graph: about this long per replay
 EXIT_RESUME = 75  # EX_TEMPFAIL: this process can go no further, a new one (--resume) can
 FINISHED = ("ok", "error", "killed")  # statuses --resume keeps (a killed case is not tried twice)
 
@@ -683,30 +684,6 @@ def _is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
-def _sync(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _clock(device):
-    """(start, stop -> seconds) for one timed region."""
-    import torch
-
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-
-        def stop():
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return stop
-    t0 = time.perf_counter()
-    return lambda: time.perf_counter() - t0
-
-
 def release(device, result: Result | None = None) -> None:
     """Give a finished case's device memory back before the next one. Its inputs, outputs and
     captured graphs can sit in reference cycles (closures, tracebacks) that only the cyclic
@@ -745,45 +722,6 @@ def context_lost(device) -> str | None:
     except Exception as exc:  # noqa: BLE001 - any failure here means the context is gone
         return f"{type(exc).__name__}: {str(exc)[:300]}"
     return None
-
-
-def prepare(fn, device, use_graphs: bool, warmup: int = 2):
-    """Warm ``fn`` up and return ``(run, inner, mode, output)``: ``run()`` performs ``inner``
-    calls (one CUDA graph replay when capture works, else eagerly)."""
-    import torch
-
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    _sync(device)
-    stop = _clock(device)
-    fn()
-    one = max(stop(), 1e-7)
-    inner = max(1, min(50, int(TARGET_GRAPH_S / one)))
-    if use_graphs and device.type == "cuda":
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(inner):
-                    fn()
-            graph.replay()
-            _sync(device)
-            return graph.replay, inner, "cuda_graph", out
-        except Exception as exc:  # noqa: BLE001 - host syncs etc.: time it eagerly instead
-            _sync(device)
-            mode = f"eager (graph capture failed: {type(exc).__name__})"
-    else:
-        mode = "eager"
-
-    def run():
-        for _ in range(inner):
-            fn()
-    return run, inner, mode, out
 
 
 def _max_rel_diff(a, b) -> float | None:
@@ -864,14 +802,11 @@ def _time_case(case: Case, device, dtype, use_graphs: bool, rounds: int, result:
                 except Exception as exc:  # noqa: BLE001 - as above
                     del runners[label]
                     result.timings[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        for _ in range(rounds):  # interleaved: every implementation once per round
-            for label, (run, inner) in runners.items():
-                stop = _clock(device)
-                run()
-                result.timings[label]["samples_s"].append(stop() / inner)
+        # interleaved: every implementation once per round
+        timing.device_rounds(runners, rounds, device, into={label: result.timings[label]["samples_s"] for label in runners})
         for label in runners:
             samples = result.timings[label]["samples_s"]
-            result.timings[label]["median_s"] = statistics.median(samples)
+            result.timings[label]["median_s"] = timing.median(samples)
             if result.roofline:  # baselines too: how close the library gets to the limit
                 result.roofline["fraction"][label] = result.roofline["ideal_s"] / result.timings[label]["median_s"]
         timed_base = [b for b in baselines if b in runners]

@@ -48,7 +48,7 @@ import time
 import torch
 
 from graft.tools.bench.overhead import TARGETS, side
-from graft.tools.bench.timing import interleaved, interleaved_until
+from graft.tools.bench.timing import fastest, interleaved, interleaved_until
 from graft.platform import dtype_name
 
 
@@ -141,12 +141,8 @@ def calls_per_round(fn, most: int, sync=None) -> int:
     fn()
     if sync is not None:  # collectives: every rank must make the same calls (and choose alike)
         return most
-    fastest = math.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        fastest = min(fastest, time.perf_counter() - start)
-    return max(1, min(most, math.ceil(ROUND_SPAN_S / max(fastest, 1e-9))))
+    best = fastest(fn, 3)
+    return max(1, min(most, math.ceil(ROUND_SPAN_S / max(best, 1e-9))))
 
 
 NEIGHBOURS = ("fused.silu_and_mul", "fused.rms_norm")  # cheap ops a model calls between the others

@@ -21,11 +21,11 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 
 from graft.tools.bench import kernels as bench
+from graft.tools.bench import timing
 from graft.kernels.triton._gemm_common import WARP_SPECIALIZED_TMA_ROW
 
 _T = dict
@@ -201,7 +201,7 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
         failed_before = dict(gemm_linear._tma_failed)
         try:
             with in_place(row):
-                run, inner, mode, out = bench.prepare(fn, device, device.type == "cuda")
+                run, inner, mode, out = timing.prepare(fn, device, device.type == "cuda")
             if gemm_linear._tma_failed != failed_before:
                 # The TMA kernel did not compile or launch and the pointer kernel ran in its place
                 # (logged): not this row's time. Forgotten, so that the next TMA rows are tried.
@@ -218,21 +218,19 @@ def sweep(name: str, rows, device, dtype, rounds: int, report: dict, write) -> N
         write()
     for label, fn_base in baselines.items():
         try:
-            run, inner, mode, _ = bench.prepare(fn_base, device, device.type == "cuda")
+            run, inner, mode, _ = timing.prepare(fn_base, device, device.type == "cuda")
             runners[f"baseline {label}"] = (run, inner)
             entry["candidates"][f"baseline {label}"] = {"mode": mode, "samples_s": []}
         except Exception as exc:  # noqa: BLE001
             entry["candidates"][f"baseline {label}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         break  # the first baseline: the library the case replaces
-    for _ in range(rounds):
-        for label, (run, inner) in runners.items():
-            stop = bench._clock(device)
-            run()
-            entry["candidates"][label]["samples_s"].append(stop() / inner)
-    current = statistics.median(entry["candidates"]["current"]["samples_s"]) if "current" in runners else None
+    if runners:
+        timing.device_rounds(runners, rounds, device,
+                             into={label: entry["candidates"][label]["samples_s"] for label in runners})
+    current = timing.median(entry["candidates"]["current"]["samples_s"]) if "current" in runners else None
     for label in runners:
         c = entry["candidates"][label]
-        c["median_s"] = statistics.median(c["samples_s"])
+        c["median_s"] = timing.median(c["samples_s"])
         if current:
             c["speedup_vs_current"] = current / c["median_s"]
     timed = {k: v for k, v in entry["candidates"].items() if "median_s" in v and not k.startswith("baseline")

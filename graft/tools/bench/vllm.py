@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from graft.tools.bench import choose
+from graft.tools.bench import choose, timing
 from graft.errors import GraftConfigError
 
 VARIANTS = {
@@ -95,11 +94,11 @@ def summarize(samples: dict, tokens: dict, work: dict) -> dict:
         rows = {}
         for variant, seconds in by_variant.items():
             throughput = [work[workload] / s for s in seconds]
-            row = {"seconds": seconds, "throughput_median": statistics.median(throughput),
+            row = {"seconds": seconds, "throughput_median": timing.median(throughput),
                    "throughput_min": min(throughput), "throughput_max": max(throughput)}
             if variant != BASELINE:
                 ratios = [b / s for b, s in zip(base, seconds)]  # > 1: faster than without graft
-                row.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+                row.update(timing.ratio_summary(ratios, se=False))
                 runs, base_runs = tokens[workload][variant], tokens[workload][BASELINE]
                 row["tokens_identical"] = all(r == base_runs[0] for r in runs) and all(
                     r == base_runs[0] for r in base_runs)
@@ -281,11 +280,11 @@ def measure_compiled(rounds: int, variants: list, model_dir: Path, logs: Path, p
                      f"{ready['engine_seconds']:.1f} s, first generate {first:.2f} s")
     out: dict = {}
     for variant, rows in runs.items():
-        row = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        row = {k: timing.median(x[k] for x in rows) for k in rows[0]}
         row["runs"] = rows
         if variant != BASELINE:
             ratios = [b["total_seconds"] / x["total_seconds"] for b, x in zip(runs[BASELINE], rows)]
-            row.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+            row.update(timing.ratio_summary(ratios, se=False))
         out[variant] = row
     return out
 

@@ -1,4 +1,5 @@
-"""Time one callable: warm-up, then N timed repeats; median and inter-quartile spread.
+"""Time one callable: warm-up, then N timed repeats; median and inter-quartile spread,
+through the tools' one harness (:mod:`graft.tools.bench.timing`).
 
 On a GPU each repeat is bracketed by CUDA events (and the device synchronized), so the
 time is the kernel's, not the launch's; on the CPU ``time.perf_counter`` is used.
@@ -8,12 +9,12 @@ on the same inputs, is meant to be compared.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from graft.tools.bench import timing
 
 
 @dataclass
@@ -37,16 +38,9 @@ class Timing:
                 "samples_s": list(self.samples_s)}
 
 
-def _quartiles(samples: list) -> tuple:
-    if len(samples) < 2:
-        return samples[0], samples[0]
-    q = statistics.quantiles(samples, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def summarize(samples: list, warmup: int) -> Timing:
-    q1, q3 = _quartiles(samples)
-    return Timing(statistics.median(samples), q1, q3, min(samples), len(samples), warmup, list(samples))
+    q1, q3 = timing.quartiles(samples)
+    return Timing(timing.median(samples), q1, q3, min(samples), len(samples), warmup, list(samples))
 
 
 def time_call(fn: Callable, make_args: Callable, device: torch.device, warmup: int = 1, repeats: int = 5) -> Timing:
@@ -58,23 +52,7 @@ def time_call(fn: Callable, make_args: Callable, device: torch.device, warmup: i
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
     args, kwargs = make_args()
-    for _ in range(max(warmup, 0)):
-        fn(*args, **kwargs)
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args, **kwargs)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*args, **kwargs)
-            samples.append(time.perf_counter() - t0)
+    samples = timing.time_call(lambda: fn(*args, **kwargs), device, warmup=warmup, repeats=repeats)
     return summarize(samples, warmup)
 
 
