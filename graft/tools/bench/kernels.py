@@ -1096,7 +1096,12 @@ def _run(args) -> int:
             print(f"{i:4} tier {case.tier} {case.family}/{case.name}{ideal}")
         return 0
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError):
+        raise GraftInputError(f"--device {args.device!r} is not a device; use cpu or cuda (cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise GraftInputError(f"--device {args.device!r}: bench-kernels times on cpu or cuda (ROCm GPUs are cuda)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GraftInputError("--device cuda but torch sees no GPU")
     dtype = getattr(torch, args.dtype)
