@@ -322,8 +322,9 @@ def tables(device_type: str | None = None) -> list:
         for table in found:
             if table.ignored is None:
                 table.ignored = mismatch(table, here, here_versions)
-    for stale in [k for k in _tables_cache if k[0] != snap.generation]:
-        del _tables_cache[stale]
+    # list() copies the keys in one step: another thread may be adding its device's tables.
+    for stale in [k for k in list(_tables_cache) if k[0] != snap.generation]:
+        _tables_cache.pop(stale, None)
     _tables_cache[key] = found
     return found
 
