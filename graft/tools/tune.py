@@ -61,20 +61,25 @@ def _dtype(name) -> torch.dtype:
     return dtype_of(name)
 
 
+def _read_json(path: Path, what: str):
+    """A JSON file's data, or GraftConfigError starting with ``what`` saying what is wrong."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise GraftConfigError(f"{what}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise GraftConfigError(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise GraftConfigError(f"{what} is nested too deeply to be graft's JSON") from None
+    except json.JSONDecodeError as exc:
+        raise GraftConfigError(f"{what} is not JSON: {exc}") from None
+
+
 def read_model_config(path: str) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise GraftConfigError(f"--model {path!r}: cannot read {p}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise GraftConfigError(f"--model {path!r}: {p} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise GraftConfigError(f"--model {path!r}: {p} is nested too deeply to be a config") from None
-    except json.JSONDecodeError as exc:
-        raise GraftConfigError(f"--model {path!r}: {p} is not JSON: {exc}") from None
+    cfg = _read_json(p, f"--model {path!r}: {p}")
     if not isinstance(cfg, dict):
         raise GraftConfigError(f"--model {path!r}: {p} holds a {type(cfg).__name__}, not a config object")
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in cfg]
@@ -140,16 +145,7 @@ def model_shapes(cfg: dict, tokens, dtype: torch.dtype) -> list:
 
 
 def read_shapes(path: str) -> list:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise GraftConfigError(f"--shapes {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise GraftConfigError(f"--shapes {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise GraftConfigError(f"--shapes {path!r} is nested too deeply to be a shapes file") from None
-    except json.JSONDecodeError as exc:
-        raise GraftConfigError(f"--shapes {path!r} is not JSON: {exc}") from None
+    data = _read_json(Path(path), f"--shapes {path!r}")
     if not isinstance(data, dict) or data.get("format") != tuning.SHAPES_FORMAT:
         raise GraftConfigError(f"--shapes {path!r}: format must be {tuning.SHAPES_FORMAT!r} (see graft.tuning)")
     shapes = data.get("shapes")
