@@ -202,11 +202,11 @@ class PluginHost:
             try:
                 plugin = _load_entry_point(ep)
                 self.pm.register(plugin, name=ep.name)
-            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a broken plugin must not break the others
+            except (Exception, SystemExit) as exc:  # a broken plugin must not break the others
                 record.status = "failed"
                 if isinstance(exc, SystemExit):
                     record.error = f"SystemExit: the plugin's import called sys.exit({exc.code!r})"
-                elif isinstance(exc, KeyboardInterrupt):
+                elif isinstance(exc, _PluginKeyboardInterrupt):
                     record.error = "KeyboardInterrupt raised by the plugin's import (not a Ctrl-C)"
                 else:
                     record.error = f"{type(exc).__name__}: {exc}"
@@ -388,32 +388,40 @@ def _is_graft_own(ep) -> bool:
     return ep.value.startswith("graft.") and dist_name.lower().replace("_", "-") == GRAFT_DISTRIBUTION
 
 
-class _InterruptedByUser(BaseException):
-    pass
+class _PluginKeyboardInterrupt(Exception):
+    """A KeyboardInterrupt the plugin's import raised itself (no SIGINT arrived)."""
 
 
 def _load_entry_point(ep):
-    """ep.load(), telling a real Ctrl-C (re-raised as KeyboardInterrupt) apart from a
-    KeyboardInterrupt the plugin's import raises itself (reported as a failed plugin)."""
-    if threading.current_thread() is not threading.main_thread():
-        return ep.load()
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except (ValueError, OSError):
-        return ep.load()
-    if previous is not signal.default_int_handler:
-        return ep.load()  # the application handles SIGINT itself: leave it alone
+    """ep.load(), telling a real Ctrl-C (re-raised: it still interrupts) apart from a
+    KeyboardInterrupt the plugin's import raises itself (_PluginKeyboardInterrupt: the
+    plugin is reported as failed). Outside the main thread no signal handler can be set and
+    the two cannot be told apart: reported as a failed plugin, as the issue asks."""
+    interrupted = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGINT)
 
-    def _on_sigint(signum, frame):
-        raise _InterruptedByUser()
+            def _on_sigint(signum, frame):
+                interrupted.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, _on_sigint)
+            signal.signal(signal.SIGINT, _on_sigint)
+        except (ValueError, OSError, TypeError):
+            previous = None
     try:
         return ep.load()
-    except _InterruptedByUser:
-        raise KeyboardInterrupt from None
+    except KeyboardInterrupt as exc:
+        if interrupted:
+            raise
+        raise _PluginKeyboardInterrupt() from exc
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 # Plugins that define graft itself: without them no op exists, so they cannot be disabled.
