@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import sys
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -45,6 +47,45 @@ class PluginRecord:
 # graft's Triton/HIP/CPU C++ kernels or its torch reference (which under GRAFT_DISABLE=all must
 # really be the reference). "torch" is allowed only as an op's own reference function.
 RESERVED_BACKENDS = frozenset({"torch", "triton", "hip", "cpp"})
+
+
+# Names of graft's own entry points (pyproject.toml): a third-party distribution's entry point of
+# one of these names is refused (reported as failed), never allowed to displace graft's adapter.
+RESERVED_PLUGIN_NAMES = frozenset({
+    "torch", "triton", "hip", "cpp", "collectives", "vllm", "deepspeed", "megatron", "torchtitan"})
+GRAFT_DISTRIBUTION = "graft"
+
+# What each hook must return: None (the result is ignored), "dict", "priority", or a list whose
+# items are instances of one of the named types ("module:Class", or str/PathLike/dict).
+# Tool classes (graft.tools.*) are looked up in sys.modules, never imported: if the module is not
+# loaded no object of its class can exist.
+HOOK_RESULTS: dict = {
+    "graft_adapter_info": "dict",
+    "graft_register_ops": None,
+    "graft_register_kernels": None,
+    "graft_default_backend_priority": "priority",
+    "graft_framework_integrations": ("graft.integration:FrameworkIntegration",),
+    "graft_framework_implementations": ("graft.registry:Implementation",),
+    "graft_tuning_tables": ("builtins:str", "os:PathLike", "builtins:dict"),
+    "graft_conformance_cases": ("graft.cases:OpCase",),
+    "graft_conformance_baselines": ("graft.baselines:Baseline",),
+    "graft_patch_templates": ("graft.tools.patches.template:PatchTemplate",),
+    "graft_upstream_projects": ("graft.tools.patches.projects:Project",),
+}
+
+
+def _resolve(dotted: str):
+    module_name, _, cls = dotted.partition(":")
+    module = sys.modules.get(module_name)
+    if module is None and not module_name.startswith("graft.tools"):
+        import importlib
+        module = importlib.import_module(module_name)
+    return getattr(module, cls, None) if module is not None else None
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 class _StagingRegistry:
@@ -126,16 +167,32 @@ class PluginHost:
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         blocked = set(config.split_list(config.current().get("GRAFT_DISABLE_PLUGINS")))
-        entry_points = sorted(metadata.entry_points(group=group), key=lambda e: e.name)
+        entry_points = sorted(metadata.entry_points(group=group), key=lambda e: (not _is_graft_own(e), e.name))
         _check_disabled_plugins(blocked, entry_points)
         for ep in entry_points:
-            if ep.name in self.records:
-                continue  # the same name installed twice: first one wins
             dist = getattr(ep, "dist", None)
+            dist_name = dist.name if dist else None
             record = PluginRecord(
-                ep.name, ep.value, dist.name if dist else None, dist.version if dist else None, "loaded",
-                builtin=ep.value.startswith("graft."),
+                ep.name, ep.value, dist_name, dist.version if dist else None, "loaded", builtin=_is_graft_own(ep),
             )
+            refusal = None
+            if not record.builtin and ep.name.lower() in RESERVED_PLUGIN_NAMES:
+                refusal = (f"entry point {ep.name!r} of distribution {dist_name!r} refused: {ep.name!r} is a "
+                           f"reserved name (graft's own adapters: {', '.join(sorted(RESERVED_PLUGIN_NAMES))}); "
+                           "a plugin names its entry point after its vendor or library, e.g. 'acme'")
+            elif ep.name in self.records:
+                first = self.records[ep.name]
+                if first.module == ep.value and first.distribution == dist_name:
+                    continue  # the same entry point seen twice (one distribution on two paths)
+                refusal = (f"entry point {ep.name!r} of distribution {dist_name!r} refused: the name is already "
+                           f"taken by distribution {first.distribution!r} ({first.module})")
+            if refusal is not None:
+                key = f"{dist_name or ep.value}:{ep.name}"
+                record.name, record.status, record.error = key, "failed", refusal
+                self.records[key] = record
+                self.hook_errors.append(refusal)
+                log.warning("graft adapter plugin %s", refusal)
+                continue
             self.records[ep.name] = record
             if ep.name.lower() in blocked:
                 record.status = "disabled"
@@ -143,11 +200,16 @@ class PluginHost:
                 self.pm.set_blocked(ep.name)
                 continue
             try:
-                plugin = ep.load()
+                plugin = _load_entry_point(ep)
                 self.pm.register(plugin, name=ep.name)
-            except Exception as exc:  # a broken plugin must not break the others
+            except (Exception, SystemExit) as exc:  # a broken plugin must not break the others
                 record.status = "failed"
-                record.error = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, SystemExit):
+                    record.error = f"SystemExit: the plugin's import called sys.exit({exc.code!r})"
+                elif isinstance(exc, _PluginKeyboardInterrupt):
+                    record.error = "KeyboardInterrupt raised by the plugin's import (not a Ctrl-C)"
+                else:
+                    record.error = f"{type(exc).__name__}: {exc}"
                 log.warning("graft adapter plugin %r (%s) failed to load: %s", ep.name, ep.value, record.error)
                 continue
             record.info = self._adapter_info(ep.name)
@@ -165,8 +227,16 @@ class PluginHost:
         if fn is None:
             return {}
         try:
-            return dict(fn() or {})
-        except Exception as exc:
+            info = fn()
+            if info is None:
+                return {}
+            if not isinstance(info, dict):
+                raise TypeError(f"expected a dict, got {_describe(info)}")
+            return {str(k): v for k, v in info.items()}
+        except (Exception, SystemExit) as exc:
+            message = f"{name}.graft_adapter_info failed: {type(exc).__name__}: {exc}"
+            self.hook_errors.append(message)
+            log.warning("graft adapter %s", message)
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     def call_each(self, hook_name: str, **kwargs) -> list:
@@ -190,10 +260,11 @@ class PluginHost:
                 call_kwargs["registry"] = staging
             try:
                 result = hookimpl.function(**call_kwargs)
+                result = self._validated(name, hook_name, result)
                 if staging is not None:
                     staging.commit()
                 results.append((name, result))
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 message = f"{name}.{hook_name} failed: {type(exc).__name__}: {exc}"
                 self.hook_errors.append(message)
                 record = self.records.get(name)
@@ -203,6 +274,33 @@ class PluginHost:
                         record.status = "failed"
                 log.warning("graft adapter %s", message)
         return results
+
+    def _hook_error(self, message: str) -> None:
+        if message not in self.hook_errors:
+            self.hook_errors.append(message)
+            log.warning("graft adapter %s", message)
+
+    def _validated(self, name: str, hook_name: str, result):
+        """A hook's result in its declared shape (HOOK_RESULTS): a list hook's answer becomes
+        a list of the expected items (wrong items dropped, each reported); an answer that is
+        not a list at all raises (call_each reports it)."""
+        expected = HOOK_RESULTS.get(hook_name, None)
+        if expected is None or isinstance(expected, str):
+            return result
+        if result is None:
+            return []
+        if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__iter__"):
+            raise TypeError(f"expected a list, got {_describe(result)}")
+        items = list(result)  # an iterable that raises here is reported by call_each
+        types = tuple(t for t in (_resolve(d) for d in expected) if t is not None)
+        kept = []
+        for item in items:
+            if types and isinstance(item, types):
+                kept.append(item)
+            else:
+                wanted = " or ".join(d.partition(":")[2] for d in expected)
+                self._hook_error(f"{name}.{hook_name}: item dropped: expected {wanted}, got {_describe(item)}")
+        return kept
 
     def _is_builtin(self, name: str) -> bool:
         record = self.records.get(name)
@@ -241,8 +339,34 @@ class PluginHost:
                     log.warning("graft adapter %s", message)
 
     def default_priority(self, device) -> tuple | None:
-        result = self.pm.hook.graft_default_backend_priority(device=device)
-        return tuple(b.lower() for b in result) if result else None
+        """The first plugin's valid answer (pluggy's order: tryfirst first); a plugin whose hook
+        raises or answers something other than a list of backend names is reported (hook_errors)
+        and skipped; names no plugin registered are dropped (reported)."""
+        hook_name = "graft_default_backend_priority"
+        known = None
+        if self._registry is not None:
+            known = set(self._registry.backends()) | {config.REFERENCE_BACKEND}
+        for hookimpl in reversed(self.pm.hook.graft_default_backend_priority.get_hookimpls()):
+            name = hookimpl.plugin_name
+            try:
+                result = hookimpl.function(**({"device": device} if "device" in hookimpl.argnames else {}))
+                if result is None:
+                    continue
+                if not isinstance(result, (list, tuple)) or not all(isinstance(b, str) for b in result):
+                    raise TypeError(f"expected a list of backend names, got {_describe(result)}")
+            except (Exception, SystemExit) as exc:
+                self._hook_error(f"{name}.{hook_name} ignored: {type(exc).__name__}: {exc}")
+                continue
+            names = tuple(b.strip().lower() for b in result if b.strip())
+            if known is not None:
+                unknown = [b for b in names if b not in known]
+                if unknown:
+                    self._hook_error(f"{name}.{hook_name}: unknown backend(s) {', '.join(map(repr, unknown))} "
+                                     f"dropped (known: {', '.join(sorted(known))})")
+                names = tuple(b for b in names if b in known)
+            if names:
+                return names
+        return None
 
     def _default_priority_for(self, device_type: str, arch: str | None) -> tuple | None:
         from graft.platform import DeviceInfo
@@ -255,6 +379,49 @@ class PluginHost:
         for _, result in self.call_each(hook_name, **kwargs):
             items.extend(result or [])
         return items
+
+
+def _is_graft_own(ep) -> bool:
+    """An entry point of graft's own distribution pointing into the graft package."""
+    dist = getattr(ep, "dist", None)
+    dist_name = (dist.name if dist else "") or ""
+    return ep.value.startswith("graft.") and dist_name.lower().replace("_", "-") == GRAFT_DISTRIBUTION
+
+
+class _PluginKeyboardInterrupt(Exception):
+    """A KeyboardInterrupt the plugin's import raised itself (no SIGINT arrived)."""
+
+
+def _load_entry_point(ep):
+    """ep.load(), telling a real Ctrl-C (re-raised: it still interrupts) apart from a
+    KeyboardInterrupt the plugin's import raises itself (_PluginKeyboardInterrupt: the
+    plugin is reported as failed). Outside the main thread no signal handler can be set and
+    the two cannot be told apart: reported as a failed plugin, as the issue asks."""
+    interrupted = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.getsignal(signal.SIGINT)
+
+            def _on_sigint(signum, frame):
+                interrupted.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, _on_sigint)
+        except (ValueError, OSError, TypeError):
+            previous = None
+    try:
+        return ep.load()
+    except KeyboardInterrupt as exc:
+        if interrupted:
+            raise
+        raise _PluginKeyboardInterrupt() from exc
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 # Plugins that define graft itself: without them no op exists, so they cannot be disabled.
