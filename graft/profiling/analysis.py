@@ -338,7 +338,7 @@ def analyse_events(read, wall_s: float, steps: int) -> dict:
         entry["total_us"] += e.dur
         if id(e) in elsewhere:
             entry["hidden_us"] += timeline.overlap(e.ts, e.ts + e.dur, ("graft", "framework"))
-    summary = {
+    summary: dict = {
         "window": {"start_us": start, "end_us": end, "trace_span_us": end - start, "wall_us": wall_s * 1e6,
                    "steps": steps, "host_thread": list(main),
                    "step_span_us": [round(b.ts - a.ts, 1) for a, b in zip(marks, marks[1:])]},

@@ -65,7 +65,7 @@ def _compare(paths) -> int:
             raise GraftConfigError(f"--compare: {exc}; give profile.json files graft profile wrote "
                                    "(or their folders)") from None
     try:
-        text = report.compare(*loaded, names=("A", "B"))
+        text = report.compare(loaded[0], loaded[1], names=("A", "B"))
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
         raise GraftConfigError(f"--compare: {paths[0]} or {paths[1]} is a damaged graft profile "
                                f"({type(exc).__name__}: {exc}); write it again with graft profile") from None
