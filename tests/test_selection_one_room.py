@@ -77,7 +77,7 @@ def _first_cases():
     firsts = {}
     for case in all_cases(host, registry):
         if registry.op(case.op).family == "collectives":
-            continue  # several ranks: tests/test_collectives.py checks their selection
+            continue  # a process group: tests/test_selection_collectives.py checks them on one gloo rank
         dtype = torch.float32 if torch.float32 in case.dtypes else case.dtypes[0] if case.dtypes else None
         if case.op not in firsts or (dtype == torch.float32 and firsts[case.op][1] != torch.float32):
             firsts[case.op] = (case, dtype)
